@@ -1,0 +1,1 @@
+"""The kvgraft command line: thin over the registry library."""

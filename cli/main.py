@@ -1,0 +1,261 @@
+"""`kvgraft`: push, pull, list, inspect, tag and verify KV grafts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cli.errors import run_guarded
+from cli.output import emit_json, emit_table, err, human_bytes, progress_bar
+from registry import __version__
+from registry.client import Registry
+from registry.codec import codec_names
+from registry.config import Config
+from registry.errors import IntegrityError, UsageError
+from registry.push import PushOptions
+from registry.reference import Reference
+
+
+class GuardedGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        return run_guarded(lambda: super(GuardedGroup, self).invoke(ctx))
+
+
+def _registry(ctx: click.Context) -> Registry:
+    reg: Registry = ctx.find_object(Registry)  # type: ignore[assignment]
+    return reg
+
+
+def _ref(text: str) -> Reference:
+    return Reference.parse(text)
+
+
+def _labels(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise UsageError(f"labels are key=value, got {pair!r}")
+        out[key] = value
+    return out
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+@click.group(cls=GuardedGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvgraft")
+@click.option("--home", type=click.Path(path_type=Path), help="Overrides $KVGRAFT_HOME.")
+@click.option("--catalog", "catalog_url", help="Catalog URL (overrides $KVGRAFT_CATALOG_URL).")
+@click.option("--store", "blob_url", help="Blob store URL (overrides $KVGRAFT_BLOB_URL).")
+@click.option("--cache", "cache_dir", type=click.Path(path_type=Path),
+              help="Pull cache directory (overrides $KVGRAFT_CACHE).")
+@click.pass_context
+def cli(ctx: click.Context, home: Path | None, catalog_url: str | None, blob_url: str | None,
+        cache_dir: Path | None) -> None:
+    """kvgraft: a content-addressed registry for byte-exact KV-cache grafts."""
+    env_overrides: dict[str, str] = {}
+    if home is not None:
+        env_overrides["KVGRAFT_HOME"] = str(home)
+    import os
+
+    config = Config.from_env({**os.environ, **env_overrides}, catalog_url=catalog_url,
+                             blob_url=blob_url, cache_dir=cache_dir)
+    registry = Registry(config)
+    ctx.obj = registry
+    ctx.call_on_close(registry.close)
+
+
+@cli.command()
+@click.argument("file", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("ref")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Repeatable.")
+@click.option("--chunk-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--codec", type=click.Choice(codec_names()), default="zstd", show_default=True)
+@click.option("--level", type=int, default=None, help="Codec level (zstd: -7..22, default 1).")
+@click.option("--parent", "parents", multiple=True, metavar="REF",
+              help="An artifact this one derives from (repeatable).")
+@json_option
+@click.pass_context
+def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chunk_tokens: int,
+         codec: str, level: int | None, parents: tuple[str, ...], as_json: bool) -> None:
+    """Push the KV file FILE as REF (name[:tag]); prints the artifact digest."""
+    reg = _registry(ctx)
+    reference = _ref(ref)
+    options = PushOptions(chunk_tokens=chunk_tokens, codec=codec, level=level,
+                          parents=tuple(reg.resolve(p) for p in parents))
+    size = file.stat().st_size if file.is_file() else 0
+    with progress_bar(f"push {reference}", size) as advance:
+        result = reg.push(file, reference, labels=_labels(labels), options=options,
+                          progress=advance)
+    if as_json:
+        emit_json({"digest": str(result.digest), "reference": str(result.reference),
+                   "created": result.created, "blobs_stored": result.blobs_stored,
+                   "bytes_stored": result.bytes_stored, "size": result.size,
+                   "stored_size": result.stored_size, "token_count": result.token_count,
+                   "previous": str(result.previous) if result.previous else None})
+        return
+    err(f"pushed {reference}: {result.token_count} tokens, {human_bytes(result.size)} "
+        f"({human_bytes(result.stored_size)} stored, {human_bytes(result.bytes_stored)} new)")
+    click.echo(str(result.digest))
+
+
+@cli.command()
+@click.argument("ref")
+@click.option("--output", "-o", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write the original KV file here.")
+@json_option
+@click.pass_context
+def pull(ctx: click.Context, ref: str, output: Path | None, as_json: bool) -> None:
+    """Pull REF into the local cache, verifying every byte; --output rebuilds the file."""
+    reg = _registry(ctx)
+    reference = _ref(ref)
+    digest = reg.resolve(reference)
+    total = reg.manifest(digest).size
+    with progress_bar(f"pull {reference}", total) as advance:
+        result = reg.pull(reference, output, progress=advance)
+    s = result.stats
+    if as_json:
+        emit_json({"digest": str(result.digest), "reference": str(reference),
+                   "output": str(output) if output else None, "fetched": s.fetched,
+                   "fetched_bytes": s.fetched_bytes, "cached": s.cached})
+        return
+    err(f"pulled {reference}: {s.fetched} blobs fetched ({human_bytes(s.fetched_bytes)}), "
+        f"{s.cached} from cache" + (f", wrote {output}" if output else ""))
+    click.echo(str(result.digest))
+
+
+@cli.command("ls")
+@click.argument("pattern", required=False)
+@json_option
+@click.pass_context
+def ls(ctx: click.Context, pattern: str | None, as_json: bool) -> None:
+    """List tagged artifacts, optionally those whose name matches PATTERN (* and ?)."""
+    tags = _registry(ctx).list(pattern)
+    if as_json:
+        for t in tags:
+            emit_json({"repository": t.repository, "tag": t.tag, "digest": str(t.digest),
+                       "updated_at": t.updated_at.isoformat()})
+        return
+    emit_table(["NAME", "TAG", "DIGEST", "UPDATED"],
+               [(t.repository, t.tag, t.digest.short, t.updated_at.strftime("%Y-%m-%d %H:%M"))
+                for t in tags])
+
+
+@cli.command()
+@click.argument("ref")
+@json_option
+@click.pass_context
+def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
+    """Show an artifact's manifest, model identity, tags and sizes."""
+    info = _registry(ctx).inspect(_ref(ref))
+    if as_json:
+        emit_json(info.to_json())
+        return
+    r, m = info.record, info.manifest
+    rows = [
+        ("digest", str(r.digest)),
+        ("tags", ", ".join(f"{t.repository}:{t.tag}" for t in r.tags) or "-"),
+        ("model", m.model_name or "-"),
+        ("architecture", str(m.model.architecture)),
+        ("tokenizer", str(m.model.tokenizer)),
+        ("weights", str(m.model.weights) if m.model.weights else "-"),
+        ("tokens", f"{m.token_count} in {len(m.chunks)} chunks of {m.chunk_tokens}"),
+        ("layers", str(len(m.layers))),
+        ("size", f"{human_bytes(r.size)} ({human_bytes(r.stored_size)} stored)"),
+        ("file", f"{m.file_digest} ({human_bytes(m.file_size)})"),
+        ("parents", ", ".join(str(p) for p in m.parents) or "-"),
+        ("labels", ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())) or "-"),
+        ("created", r.created_at.isoformat()),
+    ]
+    for key, value in rows:
+        click.echo(f"{key:<13} {value}")
+
+
+@cli.command()
+@click.argument("ref")
+@click.argument("new_ref")
+@click.pass_context
+def tag(ctx: click.Context, ref: str, new_ref: str) -> None:
+    """Point NEW_REF (name:tag) at the artifact REF names."""
+    digest = _registry(ctx).tag(_ref(ref), _ref(new_ref))
+    err(f"tagged {new_ref}")
+    click.echo(str(digest))
+
+
+@cli.command()
+@click.argument("ref")
+@click.pass_context
+def untag(ctx: click.Context, ref: str) -> None:
+    """Remove the tag REF (the artifact stays, addressable by digest)."""
+    digest = _registry(ctx).untag(_ref(ref))
+    err(f"untagged {ref} (was {digest.short})")
+
+
+@cli.command()
+@click.argument("ref", required=False)
+@click.option("--all", "all_", is_flag=True, help="Verify every artifact in the catalog.")
+@json_option
+@click.pass_context
+def verify(ctx: click.Context, ref: str | None, all_: bool, as_json: bool) -> None:
+    """Re-read every blob of REF (or --all) from the store and check size and digest."""
+    if (ref is None) == (not all_):
+        raise UsageError("give a REF or --all (not both)")
+    reports = _registry(ctx).verify(_ref(ref) if ref else None)
+    bad = [(r, b) for r in reports for b in r.bad]
+    if as_json:
+        for r in reports:
+            emit_json({"digest": str(r.artifact), "ok": r.ok, "checked": r.checked,
+                       "checked_bytes": r.checked_bytes,
+                       "bad": [{"digest": str(b.digest), "reason": b.reason} for b in r.bad]})
+    else:
+        for r in reports:
+            state = "ok" if r.ok else f"{len(r.bad)} bad blob(s)"
+            click.echo(f"{r.artifact}  {r.checked} blobs, {human_bytes(r.checked_bytes)}: {state}")
+    if bad:
+        names = "; ".join(f"blob {b.digest} of {r.artifact.short}: {b.reason}" for r, b in bad)
+        raise IntegrityError(f"verification failed: {names}")
+
+
+@cli.group()
+def db() -> None:
+    """Catalog schema migrations."""
+
+
+@db.command("upgrade")
+@click.pass_context
+def db_upgrade(ctx: click.Context) -> None:
+    """Migrate the catalog to this kvgraft's schema."""
+    from registry.catalog import Catalog
+    from registry.catalog.schema import head_revision
+
+    reg = _registry(ctx)
+    catalog = Catalog.open(reg.config.catalog_url, auto_upgrade=True)
+    catalog.close()
+    err(f"catalog at revision {head_revision()}")
+
+
+@db.command("current")
+@json_option
+@click.pass_context
+def db_current(ctx: click.Context, as_json: bool) -> None:
+    """Print the catalog's schema revision and the one this kvgraft needs."""
+    from registry.catalog import Catalog
+    from registry.catalog.engine import make_engine, safe_url
+    from registry.catalog.schema import head_revision
+
+    reg = _registry(ctx)
+    catalog = Catalog(make_engine(reg.config.catalog_url), reg.config.catalog_url)
+    current, head = catalog.current_revision(), head_revision()
+    catalog.close()
+    if as_json:
+        emit_json({"catalog": safe_url(reg.config.catalog_url), "current": current,
+                   "head": head, "up_to_date": current == head})
+        return
+    click.echo(f"{current or 'none'} (head {head}{', up to date' if current == head else ''})")
+
+
+def main() -> None:
+    cli(prog_name="kvgraft")

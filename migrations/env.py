@@ -1,0 +1,51 @@
+"""Alembic environment for the kvgraft catalog: the only source of the SQL schema."""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import create_engine
+
+from registry.catalog.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def run_migrations_offline() -> None:
+    context.configure(
+        url=config.get_main_option("sqlalchemy.url"),
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection)
+        return
+    engine = create_engine(config.get_main_option("sqlalchemy.url") or "")
+    with engine.connect() as conn:
+        _run(conn)
+    engine.dispose()
+
+
+def _run(connection: object) -> None:
+    # render_as_batch: SQLite cannot ALTER most things, so alembic copies the table instead.
+    context.configure(
+        connection=connection,  # type: ignore[arg-type]
+        target_metadata=target_metadata,
+        render_as_batch=True,
+        compare_type=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

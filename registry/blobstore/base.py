@@ -1,0 +1,52 @@
+"""The BlobStore protocol every backend implements, and the shared key layout."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol, runtime_checkable
+
+from registry.digest import Buffer, Digest
+
+
+def blob_path(digest: Digest) -> str:
+    """`sha256/ab/cdef…`: the fan-out keeps directories and S3 prefixes small."""
+    return f"sha256/{digest.hex[:2]}/{digest.hex[2:]}"
+
+
+@dataclass(frozen=True, slots=True)
+class BlobInfo:
+    digest: Digest
+    stored_size: int
+    mtime: float  # seconds since the epoch; gc's grace period is measured against it
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    """Puts are idempotent and atomic: a reader never sees a partial blob."""
+
+    @property
+    def url(self) -> str: ...
+
+    def exists(self, digest: Digest) -> bool: ...
+
+    def stat(self, digest: Digest) -> BlobInfo | None: ...
+
+    def put(self, digest: Digest, parts: Sequence[Buffer]) -> bool:
+        """Store the concatenation of `parts` under `digest` unless present.
+
+        Returns True if this call stored it, False if it was already there (first wins).
+        """
+        ...
+
+    def get(self, digest: Digest) -> bytes:
+        """The whole stored blob (blobs are chunk-sized); NotFound if absent."""
+        ...
+
+    def open(self, digest: Digest) -> BinaryIO:
+        """A streaming reader over the stored blob; NotFound if absent."""
+        ...
+
+    def delete(self, digest: Digest) -> bool: ...
+
+    def iter(self) -> Iterator[BlobInfo]: ...

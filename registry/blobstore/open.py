@@ -1,0 +1,38 @@
+"""Choose a blob store by URL. Unknown schemes are refused, never guessed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from registry.blobstore.base import BlobStore
+from registry.errors import MissingExtra, UsageError
+
+
+def open_store(url: str) -> BlobStore:
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise UsageError(f"file URLs name a local path, not a host: {url}")
+        path = unquote(parts.path)
+        if not path:
+            raise UsageError(f"file URL without a path: {url}")
+        from registry.blobstore.local import LocalBlobStore
+
+        return LocalBlobStore(Path(path))
+    if parts.scheme == "memory":
+        from registry.blobstore.memory import MemoryBlobStore
+
+        return MemoryBlobStore(parts.netloc + parts.path)
+    if parts.scheme == "s3":
+        try:
+            from registry.blobstore.s3 import S3BlobStore  # type: ignore[import-untyped,unused-ignore]
+        except ImportError as e:
+            if getattr(e, "name", "") and str(e.name).split(".")[0] in ("boto3", "botocore"):
+                raise MissingExtra("an s3:// blob store", "s3") from None
+            raise
+        store: BlobStore = S3BlobStore.from_url(url)
+        return store
+    raise UsageError(
+        f"unsupported blob store URL {url!r}", hint="use file:///dir, s3://bucket/prefix or memory://"
+    )

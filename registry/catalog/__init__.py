@@ -1,0 +1,15 @@
+"""The SQL catalog: models, blobs, artifacts, tags, labels, attestations and events.
+
+ORM rows never leave this package: callers get the frozen dataclasses of `records`.
+"""
+
+from registry.catalog.catalog import Catalog
+from registry.catalog.records import (
+    ArtifactRecord,
+    BlobRecord,
+    EventRecord,
+    PushRecord,
+    TagRecord,
+)
+
+__all__ = ["ArtifactRecord", "BlobRecord", "Catalog", "EventRecord", "PushRecord", "TagRecord"]

@@ -1,0 +1,301 @@
+"""The Catalog: typed queries over the SQL catalog, returning frozen records."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, Select, delete, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session
+
+from registry.catalog import schema
+from registry.catalog.engine import make_engine, safe_url
+from registry.catalog.models import (
+    ArtifactBlobRow,
+    ArtifactChunkRow,
+    ArtifactRow,
+    BlobRow,
+    EventRow,
+    LabelRow,
+    ModelRow,
+    RepositoryArtifactRow,
+    TagRow,
+)
+from registry.catalog.records import (
+    ArtifactRecord,
+    BlobRecord,
+    EventRecord,
+    PushOutcome,
+    PushRecord,
+    TagRecord,
+)
+from registry.digest import Digest
+from registry.errors import CatalogOutdated, NotFound, Unavailable
+from registry.identity import canonical_json
+from registry.reference import Reference
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=UTC)  # SQLite returns naive UTC
+
+
+class Catalog:
+    def __init__(self, engine: Engine, url: str) -> None:
+        self.engine = engine
+        self.url = url
+
+    # --- opening and schema ------------------------------------------------------------
+
+    @classmethod
+    def open(cls, url: str, *, auto_upgrade: bool = False) -> Catalog:
+        catalog = cls(make_engine(url), url)
+        catalog.check_schema(auto_upgrade=auto_upgrade)
+        return catalog
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def current_revision(self) -> str | None:
+        with self._guard(), self.engine.connect() as conn:
+            return schema.current_revision(conn)
+
+    def upgrade(self) -> None:
+        with self._guard():
+            schema.upgrade(self.engine)
+
+    def check_schema(self, *, auto_upgrade: bool) -> None:
+        current, head = self.current_revision(), schema.head_revision()
+        if current == head:
+            return
+        if current is not None and current not in schema.known_revisions():
+            raise CatalogOutdated(
+                f"catalog {safe_url(self.url)} is at revision {current}, newer than this "
+                f"kvgraft knows (head {head})", hint="upgrade kvgraft")
+        if auto_upgrade:
+            self.upgrade()
+            return
+        raise CatalogOutdated(
+            f"catalog {safe_url(self.url)} is at revision {current or 'none'}, this kvgraft "
+            f"needs {head}", hint="run: kvgraft db upgrade")
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            yield
+        except OperationalError as e:
+            raise Unavailable(
+                f"catalog {safe_url(self.url)} is unavailable: {str(e.orig).strip()}") from None
+        except DBAPIError as e:
+            if e.connection_invalidated:
+                raise Unavailable(
+                    f"lost the connection to catalog {safe_url(self.url)}") from None
+            raise
+
+    @contextmanager
+    def _session(self, *, write: bool = False) -> Iterator[Session]:
+        with self._guard(), self.engine.connect() as conn:
+            if write:
+                conn = conn.execution_options(kvgraft_write=True)
+            with Session(conn) as session, session.begin():
+                yield session
+
+    def _insert(self, table: Any) -> Any:
+        dialect = sqlite if self.engine.dialect.name == "sqlite" else postgresql
+        return dialect.insert(table)
+
+    # --- writes ------------------------------------------------------------------------
+
+    def record_push(self, push: PushRecord) -> PushOutcome:
+        """Commit one push: blobs, model, artifact, chunks, repository, labels, tag, event."""
+        m = push.manifest
+        digest = str(m.digest)
+        now = _now()
+        with self._session(write=True) as s:
+            if push.blobs:
+                s.execute(self._insert(BlobRow).on_conflict_do_nothing(), [
+                    {"digest": str(b.digest), "size": b.size, "stored_size": b.stored_size,
+                     "codec": b.codec, "created_at": now} for b in push.blobs])
+            ident = m.model
+            s.execute(self._insert(ModelRow).values(
+                identity=str(ident.key), architecture=str(ident.architecture),
+                tokenizer=str(ident.tokenizer),
+                weights=str(ident.weights) if ident.weights else None,
+                name=m.model_name, config=canonical_json(dict(m.model_config)).decode(),
+                created_at=now).on_conflict_do_nothing())
+            model_id = s.scalar(select(ModelRow.id).where(ModelRow.identity == str(ident.key)))
+            created = s.execute(self._insert(ArtifactRow).values(  # type: ignore[attr-defined]
+                digest=digest, model_id=model_id, manifest=m.canonical().decode(), size=m.size,
+                token_count=m.token_count, chunk_tokens=m.chunk_tokens,
+                file_digest=str(m.file_digest), file_size=m.file_size, created_at=now,
+            ).on_conflict_do_nothing()).rowcount == 1
+            if created:
+                s.execute(self._insert(ArtifactBlobRow), [
+                    {"artifact_digest": digest, "blob_digest": str(b.digest)} for b in m.blobs()])
+                s.execute(self._insert(ArtifactChunkRow), [
+                    {"artifact_digest": digest, "idx": c.index, "start": c.start, "end": c.end,
+                     "blob_digest": str(c.digest), "prefix_key": str(c.prefix)}
+                    for c in m.chunks])
+            s.execute(self._insert(RepositoryArtifactRow).values(
+                repository=push.repository, artifact_digest=digest, created_at=now,
+            ).on_conflict_do_nothing())
+            for key, value in push.labels.items():
+                stmt = self._insert(LabelRow).values(artifact_digest=digest, key=key, value=value)
+                s.execute(stmt.on_conflict_do_update(
+                    index_elements=["artifact_digest", "key"], set_={"value": value}))
+            previous = None
+            if push.tag is not None:
+                previous = self._move_tag(s, push.repository, push.tag, digest, now)
+            self._add_event(s, push.event, now)
+        return PushOutcome(created, previous)
+
+    def _move_tag(self, s: Session, repository: str, tag: str, digest: str,
+                  now: datetime) -> Digest | None:
+        old = s.scalar(select(TagRow.artifact_digest).where(
+            TagRow.repository == repository, TagRow.tag == tag))
+        # An upsert, not read-then-write: concurrent movers each land and the last wins.
+        stmt = self._insert(TagRow).values(
+            repository=repository, tag=tag, artifact_digest=digest, updated_at=now)
+        s.execute(stmt.on_conflict_do_update(
+            index_elements=["repository", "tag"],
+            set_={"artifact_digest": digest, "updated_at": now}))
+        return Digest.parse(old) if old else None
+
+    def set_tag(self, repository: str, tag: str, digest: Digest,
+                event: EventRecord) -> Digest | None:
+        now = _now()
+        with self._session(write=True) as s:
+            self._require_artifact(s, digest)
+            s.execute(self._insert(RepositoryArtifactRow).values(
+                repository=repository, artifact_digest=str(digest), created_at=now,
+            ).on_conflict_do_nothing())
+            previous = self._move_tag(s, repository, tag, str(digest), now)
+            self._add_event(s, event, now)
+        return previous
+
+    def remove_tag(self, repository: str, tag: str, event: EventRecord) -> Digest:
+        now = _now()
+        with self._session(write=True) as s:
+            old = s.scalar(delete(TagRow).where(
+                TagRow.repository == repository, TagRow.tag == tag,
+            ).returning(TagRow.artifact_digest))
+            if old is None:
+                raise NotFound(f"no tag {repository}:{tag}")
+            digest = Digest.parse(old)
+            self._add_event(s, dataclasses.replace(event, digest=digest), now)
+        return digest
+
+    def add_event(self, event: EventRecord) -> None:
+        with self._session(write=True) as s:
+            self._add_event(s, event, _now())
+
+    def _add_event(self, s: Session, e: EventRecord, now: datetime) -> None:
+        s.add(EventRow(at=now, actor=e.actor, host=e.host, action=e.action,
+                       repository=e.repository, tag=e.tag,
+                       digest=str(e.digest) if e.digest else None, outcome=e.outcome,
+                       detail=canonical_json(dict(e.detail)).decode()))
+
+    # --- reads -------------------------------------------------------------------------
+
+    def resolve(self, ref: Reference) -> Digest:
+        with self._session() as s:
+            if ref.digest is not None:
+                found = s.scalar(select(RepositoryArtifactRow.artifact_digest).where(
+                    RepositoryArtifactRow.repository == ref.name,
+                    RepositoryArtifactRow.artifact_digest == str(ref.digest)))
+            else:
+                found = s.scalar(select(TagRow.artifact_digest).where(
+                    TagRow.repository == ref.name, TagRow.tag == ref.tag))
+        if found is None:
+            raise NotFound(f"{ref} is not in the catalog",
+                           hint="`kvgraft ls` lists what the catalog holds")
+        return Digest.parse(found)
+
+    def has_artifact(self, digest: Digest) -> bool:
+        with self._session() as s:
+            return s.get(ArtifactRow, str(digest)) is not None
+
+    def artifact(self, digest: Digest) -> ArtifactRecord:
+        with self._session() as s:
+            row = self._require_artifact(s, digest)
+            stored = s.scalar(select(func.coalesce(func.sum(BlobRow.stored_size), 0))
+                              .join(ArtifactBlobRow, ArtifactBlobRow.blob_digest == BlobRow.digest)
+                              .where(ArtifactBlobRow.artifact_digest == row.digest))
+            model_name = s.scalar(select(ModelRow.name).where(ModelRow.id == row.model_id))
+            repos = s.scalars(select(RepositoryArtifactRow.repository).where(
+                RepositoryArtifactRow.artifact_digest == row.digest)
+                .order_by(RepositoryArtifactRow.repository)).all()
+            tags = self._tags(s, select(TagRow).where(TagRow.artifact_digest == row.digest))
+            labels = {lb.key: lb.value for lb in s.scalars(
+                select(LabelRow).where(LabelRow.artifact_digest == row.digest))}
+            return ArtifactRecord(
+                digest=digest, manifest=row.manifest.encode(), size=row.size,
+                stored_size=int(stored or 0), token_count=row.token_count,
+                model_name=model_name or "", created_at=_aware(row.created_at),
+                repositories=tuple(repos), tags=tags, labels=labels)
+
+    def _require_artifact(self, s: Session, digest: Digest) -> ArtifactRow:
+        row = s.get(ArtifactRow, str(digest))
+        if row is None:
+            raise NotFound(f"artifact {digest} is not in the catalog")
+        return row
+
+    @staticmethod
+    def _tags(s: Session, query: Select[TagRow]) -> tuple[TagRecord, ...]:
+        return tuple(TagRecord(t.repository, t.tag, Digest.parse(t.artifact_digest),
+                               _aware(t.updated_at))
+                     for t in s.scalars(query.order_by(TagRow.repository, TagRow.tag)))
+
+    def list_tags(self, pattern: str | None = None) -> tuple[TagRecord, ...]:
+        """Tags whose repository matches a shell-style pattern (`*` and `?`)."""
+        q = select(TagRow)
+        if pattern:
+            like = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            like = like.replace("*", "%").replace("?", "_")
+            q = q.where(TagRow.repository.like(like, escape="\\"))
+        with self._session() as s:
+            return self._tags(s, q)
+
+    def blob_records(self, digests: Iterable[Digest]) -> dict[Digest, BlobRecord]:
+        keys = [str(d) for d in digests]
+        out: dict[Digest, BlobRecord] = {}
+        with self._session() as s:
+            for i in range(0, len(keys), 500):
+                for b in s.scalars(select(BlobRow).where(BlobRow.digest.in_(keys[i:i + 500]))):
+                    d = Digest.parse(b.digest)
+                    out[d] = BlobRecord(d, b.size, b.stored_size, b.codec)
+        return out
+
+    def artifact_digests(self) -> list[Digest]:
+        with self._session() as s:
+            return [Digest.parse(d) for d in
+                    s.scalars(select(ArtifactRow.digest).order_by(ArtifactRow.created_at))]
+
+    def events(self, *, digest: Digest | None = None, action: str | None = None,
+               since: datetime | None = None, limit: int | None = None) -> list[EventRecord]:
+        q = select(EventRow).order_by(EventRow.id)
+        if digest is not None:
+            q = q.where(EventRow.digest == str(digest))
+        if action is not None:
+            q = q.where(EventRow.action == action)
+        if since is not None:
+            q = q.where(EventRow.at >= since)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._session() as s:
+            return [EventRecord(
+                action=e.action, actor=e.actor, host=e.host, outcome=e.outcome,
+                repository=e.repository, tag=e.tag,
+                digest=Digest.parse(e.digest) if e.digest else None,
+                detail=json.loads(e.detail), at=_aware(e.at), id=e.id)
+                for e in s.scalars(q)]
+

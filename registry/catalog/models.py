@@ -1,0 +1,148 @@
+"""ORM mapping of the catalog tables. The schema itself comes only from migrations/."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+DIGEST = String(71)  # "sha256:" + 64 hex
+NAME = String(255)
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class ModelRow(Base):
+    __tablename__ = "models"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    identity: Mapped[str] = mapped_column(DIGEST, unique=True)
+    architecture: Mapped[str] = mapped_column(DIGEST, index=True)
+    tokenizer: Mapped[str] = mapped_column(DIGEST)
+    weights: Mapped[str | None] = mapped_column(DIGEST, nullable=True)
+    name: Mapped[str] = mapped_column(NAME)
+    config: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class BlobRow(Base):
+    __tablename__ = "blobs"
+    digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    stored_size: Mapped[int] = mapped_column(BigInteger)
+    codec: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ArtifactRow(Base):
+    __tablename__ = "artifacts"
+    digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("models.id"), index=True)
+    manifest: Mapped[str] = mapped_column(Text)
+    size: Mapped[int] = mapped_column(BigInteger)
+    token_count: Mapped[int] = mapped_column(BigInteger)
+    chunk_tokens: Mapped[int] = mapped_column(Integer)
+    file_digest: Mapped[str] = mapped_column(DIGEST)
+    file_size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ArtifactBlobRow(Base):
+    """Every blob an artifact needs (header, tokens, chunks): what gc marks and verify reads."""
+
+    __tablename__ = "artifact_blobs"
+    artifact_digest: Mapped[str] = mapped_column(
+        ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True
+    )
+    blob_digest: Mapped[str] = mapped_column(
+        ForeignKey("blobs.digest"), primary_key=True, index=True
+    )
+
+
+class ArtifactChunkRow(Base):
+    __tablename__ = "artifact_chunks"
+    artifact_digest: Mapped[str] = mapped_column(
+        ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True
+    )
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    start: Mapped[int] = mapped_column(BigInteger)
+    end: Mapped[int] = mapped_column(BigInteger)
+    blob_digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"))
+    prefix_key: Mapped[str] = mapped_column(DIGEST, index=True)
+
+
+class RepositoryArtifactRow(Base):
+    """Which repositories an artifact was pushed to (`name@sha256:…` resolves only there)."""
+
+    __tablename__ = "repository_artifacts"
+    repository: Mapped[str] = mapped_column(NAME, primary_key=True)
+    artifact_digest: Mapped[str] = mapped_column(
+        ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class TagRow(Base):
+    __tablename__ = "tags"
+    repository: Mapped[str] = mapped_column(NAME, primary_key=True)
+    tag: Mapped[str] = mapped_column(String(128), primary_key=True)
+    artifact_digest: Mapped[str] = mapped_column(ForeignKey("artifacts.digest"), index=True)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class LabelRow(Base):
+    __tablename__ = "labels"
+    artifact_digest: Mapped[str] = mapped_column(
+        ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True
+    )
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class AttestationRow(Base):
+    __tablename__ = "attestations"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    artifact_digest: Mapped[str] = mapped_column(ForeignKey("artifacts.digest"), index=True)
+    predicate_type: Mapped[str] = mapped_column(String(255))
+    statement: Mapped[str] = mapped_column(Text)
+    statement_digest: Mapped[str] = mapped_column(DIGEST)
+    envelope: Mapped[str | None] = mapped_column(Text, nullable=True)
+    keyid: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class EventRow(Base):
+    """The append-only audit log: the library inserts rows and never updates or deletes."""
+
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    actor: Mapped[str] = mapped_column(String(255))
+    host: Mapped[str] = mapped_column(String(255))
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    repository: Mapped[str | None] = mapped_column(NAME, nullable=True)
+    tag: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    digest: Mapped[str | None] = mapped_column(DIGEST, nullable=True, index=True)
+    outcome: Mapped[str] = mapped_column(String(32))
+    detail: Mapped[str] = mapped_column(Text)
+
+
+Index("ix_artifact_chunks_blob_digest", ArtifactChunkRow.blob_digest)

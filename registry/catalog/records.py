@@ -1,0 +1,73 @@
+"""Frozen values the catalog returns and takes; ORM rows stay inside the catalog."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from registry.digest import Digest
+from registry.manifest import Manifest
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRecord:
+    digest: Digest
+    size: int
+    stored_size: int
+    codec: str
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    action: str
+    actor: str
+    host: str
+    outcome: str = "ok"
+    repository: str | None = None
+    tag: str | None = None
+    digest: Digest | None = None
+    detail: Mapping[str, Any] = field(default_factory=dict)
+    at: datetime | None = None  # set by the catalog on insert
+    id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PushRecord:
+    """Everything one push commits, in one transaction, after its blobs are stored."""
+
+    manifest: Manifest
+    blobs: tuple[BlobRecord, ...]
+    repository: str
+    tag: str | None
+    labels: Mapping[str, str]
+    event: EventRecord
+
+
+@dataclass(frozen=True, slots=True)
+class PushOutcome:
+    created: bool  # False when the artifact was already in the catalog
+    previous: Digest | None  # what the tag pointed at before, if anything
+
+
+@dataclass(frozen=True, slots=True)
+class TagRecord:
+    repository: str
+    tag: str
+    digest: Digest
+    updated_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactRecord:
+    digest: Digest
+    manifest: bytes  # canonical JSON as stored; parse with Manifest.parse(raw, digest)
+    size: int
+    stored_size: int
+    token_count: int
+    model_name: str
+    created_at: datetime
+    repositories: tuple[str, ...]
+    tags: tuple[TagRecord, ...]
+    labels: Mapping[str, str]

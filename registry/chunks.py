@@ -1,0 +1,98 @@
+"""How a KV file is cut into chunks along the token axis, and put back together.
+
+Chunk c holds, for every layer, the key/value slices for the absolute positions
+[c*C, (c+1)*C) that the layer holds, as a safetensors payload with tensors shaped
+[kv_heads, span, head_dim]. In the KV file a tensor is row-major [H, T, D], so each
+(tensor, head) contributes one contiguous run of bytes: a chunk is a gather of H runs per
+tensor, and rebuilding the file is the matching scatter.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from registry.kvfile import KVLayout, TensorInfo, safetensors_header
+
+DEFAULT_CHUNK_TOKENS = 256
+MAX_CHUNK_TOKENS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """`length` bytes at `file_offset` in the KV file go to `offset` in the chunk payload."""
+
+    file_offset: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    index: int
+    start: int  # absolute token positions [start, end)
+    end: int
+    header: bytes  # safetensors header of the payload (length prefix included)
+    runs: tuple[Run, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(r.length for r in self.runs)
+
+
+def _slice(
+    t: TensorInfo, layer_start: int, a: int, b: int
+) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """Shape and (file offset, length) runs of positions [a, b) of tensor t."""
+    heads, length, dim = t.shape
+    row = dim * t.itemsize
+    span = (b - a) * row
+    first = (a - layer_start) * row
+    runs = [(t.begin + h * length * row + first, span) for h in range(heads)]
+    return (heads, b - a, dim), runs
+
+
+def plan_chunks(layout: KVLayout, chunk_tokens: int) -> list[ChunkPlan]:
+    n = layout.token_count
+    plans = []
+    for c, lo in enumerate(range(0, n, chunk_tokens)):
+        hi = min(lo + chunk_tokens, n)
+        entries: list[tuple[str, str, tuple[int, ...], int]] = []
+        pieces: list[list[tuple[int, int]]] = []
+        for layer in layout.layers:
+            a, b = max(lo, layer.start), hi
+            if a >= b:
+                continue  # a sliding-window layer that holds none of this span
+            for t in (layer.key, layer.value):
+                shape, runs = _slice(t, layer.start, a, b)
+                entries.append((t.name, t.dtype, shape, sum(r[1] for r in runs)))
+                pieces.append(runs)
+        header = safetensors_header(entries)  # data follows in `entries` order
+        pos = len(header)
+        out: list[Run] = []
+        for runs in pieces:
+            for off, length in runs:
+                out.append(Run(off, pos, length))
+                pos += length
+        plans.append(ChunkPlan(c, lo, hi, header, tuple(out)))
+    return plans
+
+
+def gather(fd: int, plan: ChunkPlan, buf: bytearray) -> memoryview:
+    """Read the chunk payload of `plan` from the KV file `fd` into `buf` (reused)."""
+    size = plan.size
+    if len(buf) < size:
+        buf.extend(bytes(size - len(buf)))
+    view = memoryview(buf)[:size]
+    view[: len(plan.header)] = plan.header
+    for r in plan.runs:
+        got = os.preadv(fd, [view[r.offset : r.offset + r.length]], r.file_offset)
+        if got != r.length:
+            raise OSError(f"short read at offset {r.file_offset}: the KV file changed")
+    return view
+
+
+def scatter(fd: int, plan: ChunkPlan, payload: memoryview) -> None:
+    """Write a verified chunk payload back to its places in the KV file `fd`."""
+    for r in plan.runs:
+        os.pwrite(fd, payload[r.offset : r.offset + r.length], r.file_offset)

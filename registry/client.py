@@ -1,0 +1,213 @@
+"""The Registry facade: what the CLI and integrations call. Wires config, store, catalog
+and cache together and writes an audit event for every change."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from registry.blobstore import BlobStore, open_store
+from registry.cache import Cache
+from registry.catalog import ArtifactRecord, Catalog, EventRecord, PushRecord, TagRecord
+from registry.config import Config, actor
+from registry.digest import Digest
+from registry.errors import IntegrityError, NotFound, UsageError
+from registry.manifest import Manifest
+from registry.pull import Fetcher, FetchStats, Progress, export, fetch
+from registry.push import PushOptions, build_artifact
+from registry.reference import Reference, check_name
+from registry.verify import VerifyReport, verify_artifact
+
+_LABEL_KEY_MAX = 255
+
+
+@dataclass(frozen=True, slots=True)
+class PushResult:
+    digest: Digest
+    reference: Reference
+    created: bool
+    blobs_stored: int
+    bytes_stored: int
+    size: int
+    stored_size: int
+    token_count: int
+    previous: Digest | None
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    digest: Digest
+    reference: Reference
+    output: Path | None
+    stats: FetchStats
+
+
+@dataclass(frozen=True, slots=True)
+class Inspection:
+    record: ArtifactRecord
+    manifest: Manifest
+    chunks: tuple[Mapping[str, Any], ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict[str, Any]:
+        r, m = self.record, self.manifest
+        return {
+            "digest": str(r.digest), "size": r.size, "stored_size": r.stored_size,
+            "token_count": m.token_count, "created_at": r.created_at.isoformat(),
+            "model": {**m.model.to_json(), "name": m.model_name},
+            "repositories": list(r.repositories),
+            "tags": [f"{t.repository}:{t.tag}" for t in r.tags],
+            "labels": dict(r.labels), "chunks": [dict(c) for c in self.chunks],
+            "manifest": m.to_json(),
+        }
+
+
+def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    for key in labels:
+        if not key or len(key) > _LABEL_KEY_MAX or not key.isprintable():
+            raise UsageError(f"invalid label key {key!r}")
+    return dict(labels)
+
+
+class Registry:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.user, self.host = actor()
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Registry:
+        return cls(Config.from_env(None, **overrides))
+
+    @cached_property
+    def store(self) -> BlobStore:
+        return open_store(self.config.blob_url)
+
+    @cached_property
+    def catalog(self) -> Catalog:
+        return Catalog.open(self.config.catalog_url, auto_upgrade=self.config.embedded)
+
+    @cached_property
+    def cache(self) -> Cache:
+        return Cache(self.config.cache_dir)
+
+    def close(self) -> None:
+        if "catalog" in self.__dict__:
+            self.catalog.close()
+
+    def _event(self, action: str, **kw: Any) -> EventRecord:
+        return EventRecord(action=action, actor=f"{self.user}@{self.host}", host=self.host, **kw)
+
+    # --- writes ------------------------------------------------------------------------
+
+    def push(self, path: str | Path, ref: Reference | str, *,
+             labels: Mapping[str, str] | None = None, options: PushOptions | None = None,
+             progress: Progress | None = None) -> PushResult:
+        ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        if ref.digest is not None:
+            raise UsageError(f"push takes name[:tag], not a digest: {ref}")
+        labels = check_labels(labels or {})
+        options = options or PushOptions()
+        for parent in options.parents:
+            if not self.catalog.has_artifact(parent):
+                raise NotFound(f"parent artifact {parent} is not in the catalog")
+        upload = build_artifact(path, self.store, options, progress)
+        m = upload.manifest
+        event = self._event("push", repository=ref.name, tag=ref.tag, digest=m.digest,
+                            detail={"blobs_stored": upload.stored,
+                                    "bytes_stored": upload.stored_bytes})
+        outcome = self.catalog.record_push(PushRecord(
+            m, upload.blobs, ref.name, ref.tag, labels, event))
+        self.cache.put_manifest(m.digest, m.canonical())
+        return PushResult(m.digest, ref, outcome.created, upload.stored, upload.stored_bytes,
+                          m.size, sum(b.stored_size for b in upload.blobs), m.token_count,
+                          outcome.previous)
+
+    def tag(self, src: Reference | str, dst: Reference | str) -> Digest:
+        src = Reference.parse(src) if isinstance(src, str) else src
+        dst = Reference.parse(dst) if isinstance(dst, str) else dst
+        if dst.tag is None:
+            raise UsageError(f"the new reference must name a tag: {dst}")
+        digest = self.resolve(src)
+        self.catalog.set_tag(dst.name, dst.tag, digest,
+                             self._event("tag", repository=dst.name, tag=dst.tag, digest=digest,
+                                         detail={"source": str(src)}))
+        return digest
+
+    def untag(self, ref: Reference | str) -> Digest:
+        ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        if ref.tag is None:
+            raise UsageError(f"untag takes name:tag, not a digest: {ref}")
+        return self.catalog.remove_tag(ref.name, ref.tag,
+                                       self._event("untag", repository=ref.name, tag=ref.tag))
+
+    # --- reads -------------------------------------------------------------------------
+
+    def resolve(self, ref: Reference | str) -> Digest:
+        ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        return self.catalog.resolve(ref)
+
+    def manifest(self, digest: Digest) -> Manifest:
+        cached = self.cache.get_manifest(digest)
+        if cached is not None:
+            return Manifest.parse(cached, digest)
+        raw = self.catalog.artifact(digest).manifest
+        try:
+            manifest = Manifest.parse(raw, digest)
+        except IntegrityError as e:
+            raise IntegrityError(f"catalog manifest of {digest} is corrupt: {e.message}") from None
+        self.cache.put_manifest(digest, raw)
+        return manifest
+
+    def pull(self, ref: Reference | str, output: Path | None = None, *,
+             progress: Progress | None = None, workers: int = 2) -> PullResult:
+        ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        digest = self.resolve(ref)
+        manifest = self.manifest(digest)
+        fetcher = Fetcher(self.store, self.cache)
+        if output is None:
+            stats = fetch(manifest, fetcher, workers=workers, progress=progress)
+        else:
+            stats = export(manifest, fetcher, output, workers=workers, progress=progress)
+        self.catalog.add_event(self._event(
+            "pull", repository=ref.name, tag=ref.tag, digest=digest,
+            detail={"fetched": stats.fetched, "fetched_bytes": stats.fetched_bytes,
+                    "output": str(output) if output else None}))
+        return PullResult(digest, ref, output, stats)
+
+    def list(self, pattern: str | None = None) -> tuple[TagRecord, ...]:
+        if pattern and not any(ch in pattern for ch in "*?["):
+            check_name(pattern)
+        tags = self.catalog.list_tags(pattern.replace("[", "?") if pattern else None)
+        if pattern:
+            tags = tuple(t for t in tags if fnmatch.fnmatchcase(t.repository, pattern))
+        return tags
+
+    def inspect(self, ref: Reference | str) -> Inspection:
+        digest = self.resolve(ref)
+        record = self.catalog.artifact(digest)
+        manifest = self.manifest(digest)
+        blobs = self.catalog.blob_records(c.digest for c in manifest.chunks)
+        chunks = tuple({
+            "index": c.index, "start": c.start, "end": c.end, "digest": str(c.digest),
+            "size": c.size, "stored_size": blobs[c.digest].stored_size if c.digest in blobs
+            else None, "codec": blobs[c.digest].codec if c.digest in blobs else None,
+            "prefix": str(c.prefix)} for c in manifest.chunks)
+        return Inspection(record, manifest, chunks)
+
+    def verify(self, ref: Reference | str | None = None, *, workers: int = 2,
+               ) -> tuple[VerifyReport, ...]:
+        digests = [self.resolve(ref)] if ref is not None else self.catalog.artifact_digests()
+        reports = []
+        for digest in digests:
+            manifest = Manifest.parse(self.catalog.artifact(digest).manifest, digest)
+            records = self.catalog.blob_records(b.digest for b in manifest.blobs())
+            report = verify_artifact(manifest, self.store, records, workers=workers)
+            reports.append(report)
+            self.catalog.add_event(self._event(
+                "verify", digest=digest, outcome="ok" if report.ok else "failed",
+                detail={"checked": report.checked,
+                        "bad": [str(b.digest) for b in report.bad]}))
+        return tuple(reports)

@@ -1,0 +1,157 @@
+"""Blob codecs and the self-describing stored-blob frame (DESIGN §3).
+
+A stored blob is `KVGB | version | len(name) | name | decoded size (u64 LE) | body`, so any
+blob can be decoded without the catalog. Codecs are added by name and never changed: a new
+encoding is a new name. Decoding is bounded by the size the caller expects (a decompression
+bomb is refused before it allocates) and the caller hashes the result against its key.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+import zstandard
+
+from registry.digest import Buffer
+from registry.errors import IntegrityError, UnknownCodec, UsageError
+
+MAGIC = b"KVGB"
+FRAME_VERSION = 1
+_SIZE = struct.Struct("<Q")
+
+
+class Codec(Protocol):
+    """Turns decoded bytes into a stored body and back. Must be thread-safe."""
+
+    @property
+    def name(self) -> str: ...
+
+    def encode(self, data: Buffer) -> Buffer: ...
+
+    def decode(self, body: memoryview, size: int) -> Buffer:
+        """Return exactly `size` bytes, or raise IntegrityError."""
+        ...
+
+
+class RawCodec:
+    name = "raw"
+
+    def encode(self, data: Buffer) -> Buffer:
+        return data
+
+    def decode(self, body: memoryview, size: int) -> Buffer:
+        if body.nbytes != size:
+            raise IntegrityError(f"raw blob holds {body.nbytes} bytes, expected {size}")
+        return body
+
+
+class ZstdCodec:
+    """One zstd frame with its content size; compressors are per thread (not thread-safe)."""
+
+    name = "zstd"
+
+    def __init__(self, level: int = 1) -> None:
+        if not -7 <= level <= 22:
+            raise UsageError(f"zstd level must be between -7 and 22, got {level}")
+        self.level = level
+        self._local = threading.local()
+
+    def _cctx(self) -> zstandard.ZstdCompressor:
+        cctx: zstandard.ZstdCompressor | None = getattr(self._local, "cctx", None)
+        if cctx is None:
+            cctx = self._local.cctx = zstandard.ZstdCompressor(level=self.level)
+        return cctx
+
+    def encode(self, data: Buffer) -> Buffer:
+        return self._cctx().compress(data)
+
+    def decode(self, body: memoryview, size: int) -> Buffer:
+        return zstd_decode(body, size)
+
+
+def zstd_decode(body: Buffer, size: int) -> bytes:
+    """Decode one zstd frame that must hold exactly `size` bytes; shared by codecs."""
+    try:
+        declared = zstandard.get_frame_parameters(body).content_size
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"corrupt zstd frame: {e}") from None
+    if declared != size:
+        raise IntegrityError(f"zstd frame declares {declared} bytes, expected {size}")
+    try:
+        # The output buffer is exactly `size`: a frame that lies about its size fails here
+        # instead of allocating whatever it claims.
+        out: bytes = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"corrupt zstd data: {e}") from None
+    if len(out) != size:
+        raise IntegrityError(f"zstd data decoded to {len(out)} bytes, expected {size}")
+    return out
+
+
+CodecFactory = Callable[[int | None], Codec]
+_CODECS: dict[str, CodecFactory] = {
+    "raw": lambda level: RawCodec(),
+    "zstd": lambda level: ZstdCodec(1 if level is None else level),
+}
+DEFAULT_CODEC = "zstd"
+
+
+def register(name: str, factory: CodecFactory) -> None:
+    if name in _CODECS:
+        raise ValueError(f"codec {name!r} is already registered; codecs never change")
+    _CODECS[name] = factory
+
+
+def codec_names() -> list[str]:
+    return sorted(_CODECS)
+
+
+def get_codec(name: str, level: int | None = None) -> Codec:
+    factory = _CODECS.get(name)
+    if factory is None:
+        raise UnknownCodec(f"unknown codec {name!r}", hint=f"known: {', '.join(codec_names())}")
+    return factory(level)
+
+
+def frame(codec: Codec, data: Buffer) -> list[Buffer]:
+    """Encode `data` and return the stored blob as parts (header, body): no extra copy."""
+    name = codec.name.encode("ascii")
+    size = memoryview(data).nbytes
+    header = MAGIC + bytes([FRAME_VERSION, len(name)]) + name + _SIZE.pack(size)
+    return [header, codec.encode(data)]
+
+
+def parse_frame(stored: Buffer) -> tuple[str, int, memoryview]:
+    """Return (codec name, decoded size, body) of a stored blob."""
+    view = memoryview(stored)
+    if view.nbytes < 6 or bytes(view[:4]) != MAGIC:
+        raise IntegrityError("stored blob does not start with the kvgraft blob header")
+    if view[4] != FRAME_VERSION:
+        raise IntegrityError(f"stored blob has unknown frame version {view[4]}")
+    n = view[5]
+    end = 6 + n + _SIZE.size
+    if view.nbytes < end:
+        raise IntegrityError("stored blob header is truncated")
+    try:
+        name = bytes(view[6 : 6 + n]).decode("ascii")
+    except UnicodeDecodeError:
+        raise IntegrityError("stored blob names a codec that is not ASCII") from None
+    (size,) = _SIZE.unpack(view[6 + n : end])
+    return name, size, view[end:]
+
+
+def decode_blob(stored: Buffer, expected_size: int) -> tuple[str, Buffer]:
+    """Decode a stored blob to exactly `expected_size` bytes; returns (codec name, bytes)."""
+    name, size, body = parse_frame(stored)
+    codec = get_codec(name)
+    if size != expected_size:
+        raise IntegrityError(
+            f"stored blob declares {size} decoded bytes, expected {expected_size}"
+        )
+    out = codec.decode(body, size)
+    if memoryview(out).nbytes != size:
+        raise IntegrityError(f"codec {name} returned the wrong number of bytes")
+    return name, out

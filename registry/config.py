@@ -1,0 +1,52 @@
+"""Configuration, read once at the edge into a frozen value (no import-time side effects)."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    home: Path
+    catalog_url: str
+    blob_url: str
+    cache_dir: Path
+    offline: bool = False
+
+    @property
+    def embedded(self) -> bool:
+        """The default SQLite catalog under home, which upgrades itself on first use."""
+        return self.catalog_url == default_catalog_url(self.home)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
+        env = os.environ if env is None else env
+        home = Path(env.get("KVGRAFT_HOME") or Path.home() / ".kvgraft").expanduser()
+        values: dict[str, object] = {
+            "home": home,
+            "catalog_url": env.get("KVGRAFT_CATALOG_URL") or default_catalog_url(home),
+            "blob_url": env.get("KVGRAFT_BLOB_URL") or (home / "blobs").absolute().as_uri(),
+            "cache_dir": Path(env.get("KVGRAFT_CACHE")
+                              or Path.home() / ".cache" / "kvgraft").expanduser(),
+            "offline": env.get("KVGRAFT_OFFLINE", "") not in ("", "0", "false", "no"),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def default_catalog_url(home: Path) -> str:
+    return f"sqlite:///{(home / 'catalog.db').absolute()}"
+
+
+def actor() -> tuple[str, str]:
+    """(user, host) recorded on events and provenance."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return user, socket.gethostname()

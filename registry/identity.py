@@ -1,0 +1,44 @@
+"""Model identity: the digests that decide whether a graft belongs to a model (DESIGN §6)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from registry.digest import Digest
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: the one byte form that kvgraft hashes."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    architecture: Digest
+    tokenizer: Digest
+    weights: Digest | None = None
+
+    def to_json(self) -> dict[str, str | None]:
+        return {
+            "architecture": str(self.architecture),
+            "tokenizer": str(self.tokenizer),
+            "weights": str(self.weights) if self.weights else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ModelIdentity:
+        weights = data.get("weights")
+        return cls(
+            Digest.parse(data["architecture"]),
+            Digest.parse(data["tokenizer"]),
+            Digest.parse(weights) if weights else None,
+        )
+
+    @property
+    def key(self) -> Digest:
+        """One digest naming the whole identity (catalog key, prefix-chain seed)."""
+        return Digest.of(canonical_json(self.to_json()))

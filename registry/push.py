@@ -1,0 +1,155 @@
+"""Push: cut a KV file into chunks, store the missing blobs, then commit to the catalog.
+
+Blobs go first and the catalog commit is one transaction at the end, so a push that dies
+half-way leaves only unreferenced blobs (gc sweeps them), never a row pointing at nothing.
+Chunks are gathered, hashed and encoded on worker threads (hashlib and zstd release the
+GIL) while a further worker hashes the whole file; at most `window` chunks are in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry.blobstore.base import BlobStore
+from registry.catalog.records import BlobRecord
+from registry.chunks import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkPlan, gather, plan_chunks
+from registry.codec import DEFAULT_CODEC, Codec, frame, get_codec, parse_frame
+from registry.digest import Buffer, Digest
+from registry.errors import UsageError
+from registry.kvfile import KVLayout, hash_file, read_layout
+from registry.manifest import BlobRef, ChunkRef, LayerRef, Manifest
+from registry.prefix import prefix_keys
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PushOptions:
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    codec: str = DEFAULT_CODEC
+    level: int | None = None
+    parents: tuple[Digest, ...] = ()
+    workers: int = 2
+    window: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk_tokens <= MAX_CHUNK_TOKENS:
+            raise UsageError(f"chunk tokens must be between 1 and {MAX_CHUNK_TOKENS}")
+        if self.workers < 1 or self.window < 1:
+            raise UsageError("workers and window must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Upload:
+    """What building an artifact stored: the manifest and every blob's record."""
+
+    manifest: Manifest
+    blobs: tuple[BlobRecord, ...]
+    stored: int = 0  # blobs this push wrote (the rest were already there)
+    stored_bytes: int = 0
+
+
+class _Uploader:
+    def __init__(self, store: BlobStore, codec: Codec) -> None:
+        self.store = store
+        self.codec = codec
+
+    def put(self, digest: Digest, data: Buffer) -> tuple[BlobRecord, bool]:
+        """Store `data` under `digest` unless present; returns its record and whether stored."""
+        size = memoryview(data).nbytes
+        info = self.store.stat(digest)
+        if info is None:
+            parts = frame(self.codec, data)
+            stored = sum(memoryview(p).nbytes for p in parts)
+            if self.store.put(digest, parts):
+                return BlobRecord(digest, size, stored, self.codec.name), True
+        # Already there (or a racing writer won): describe what is actually stored.
+        with self.store.open(digest) as f:
+            head = f.read(272)
+        name, _, _ = parse_frame(head)
+        info = self.store.stat(digest)
+        return BlobRecord(digest, size, info.stored_size if info else 0, name), False
+
+
+def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,
+                   progress: Progress | None = None) -> Upload:
+    layout = read_layout(path)
+    plans = plan_chunks(layout, options.chunk_tokens)
+    uploader = _Uploader(store, get_codec(options.codec, options.level))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header = os.pread(fd, layout.header_size, 0)
+        tokens = os.pread(fd, layout.token_ids.nbytes, layout.token_ids.begin)
+        keys = prefix_keys(layout.identity, tokens, options.chunk_tokens)
+        with ThreadPoolExecutor(options.workers + 1, thread_name_prefix="kvgraft-push") as pool:
+            hashed = pool.submit(hash_file, fd, layout)
+            records, chunk_refs = _upload_chunks(fd, plans, keys, uploader, pool, options,
+                                                 progress)
+            extra = [uploader.put(Digest.of(b), b) for b in (header, tokens)]
+            file_digest, tensor_digests = hashed.result()
+    finally:
+        os.close(fd)
+    records += extra
+    manifest = _manifest(layout, options, chunk_refs, tensor_digests, file_digest,
+                         BlobRef(extra[0][0].digest, len(header)),
+                         BlobRef(extra[1][0].digest, len(tokens)))
+    unique = {r.digest: r for r, _ in records}
+    new = [r for r, stored in records if stored]
+    return Upload(manifest, tuple(unique.values()), len(new), sum(r.stored_size for r in new))
+
+
+def _upload_chunks(fd: int, plans: Sequence[ChunkPlan], keys: Sequence[Digest],
+                   uploader: _Uploader, pool: ThreadPoolExecutor, options: PushOptions,
+                   progress: Progress | None,
+                   ) -> tuple[list[tuple[BlobRecord, bool]], list[ChunkRef]]:
+    buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+    for _ in range(options.window):
+        buffers.put(bytearray())  # reused: fresh large buffers cost page faults
+
+    def work(plan: ChunkPlan) -> tuple[BlobRecord, bool]:
+        buf = buffers.get()
+        try:
+            payload = gather(fd, plan, buf)
+            return uploader.put(Digest.of(payload), payload)
+        finally:
+            buffers.put(buf)
+
+    records: list[tuple[BlobRecord, bool]] = []
+    refs: list[ChunkRef] = []
+    pending: list[tuple[ChunkPlan, Future[tuple[BlobRecord, bool]]]] = []
+
+    def drain(keep: int) -> None:
+        while len(pending) > keep:
+            plan, fut = pending.pop(0)
+            rec, stored = fut.result()
+            records.append((rec, stored))
+            refs.append(ChunkRef(plan.index, plan.start, plan.end, rec.digest, rec.size,
+                                 keys[plan.index]))
+            if progress:
+                progress(plan.size)
+
+    for plan in plans:
+        drain(options.window - 1)
+        pending.append((plan, pool.submit(work, plan)))
+    drain(0)
+    return records, refs
+
+
+def _manifest(layout: KVLayout, options: PushOptions, chunks: list[ChunkRef],
+              tensors: dict[str, Digest], file_digest: Digest, header: BlobRef,
+              tokens: BlobRef) -> Manifest:
+    layers = tuple(LayerRef(lr.index, lr.start, lr.length, lr.key.dtype, lr.key.shape[0],
+                            lr.key.shape[2], lr.value.shape[2]) for lr in layout.layers)
+    manifest = Manifest(
+        model=layout.identity, model_name=layout.model_name,
+        model_config=dict(layout.model_config), token_count=layout.token_count,
+        tokens=tokens, chunk_tokens=options.chunk_tokens, chunks=tuple(chunks), layers=layers,
+        tensors=tensors, file_digest=file_digest, file_size=layout.file_size, header=header,
+        parents=options.parents, provenance=dict(layout.provenance))
+    # Validate what we are about to commit exactly as a reader will.
+    return Manifest.from_json(manifest.to_json())
