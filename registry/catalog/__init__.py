@@ -6,10 +6,19 @@ ORM rows never leave this package: callers get the frozen dataclasses of `record
 from registry.catalog.catalog import Catalog
 from registry.catalog.records import (
     ArtifactRecord,
+    AttestationRecord,
     BlobRecord,
     EventRecord,
     PushRecord,
     TagRecord,
 )
 
-__all__ = ["ArtifactRecord", "BlobRecord", "Catalog", "EventRecord", "PushRecord", "TagRecord"]
+__all__ = [
+    "ArtifactRecord",
+    "AttestationRecord",
+    "BlobRecord",
+    "Catalog",
+    "EventRecord",
+    "PushRecord",
+    "TagRecord",
+]

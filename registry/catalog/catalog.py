@@ -20,6 +20,7 @@ from registry.catalog.models import (
     ArtifactBlobRow,
     ArtifactChunkRow,
     ArtifactRow,
+    AttestationRow,
     BlobRow,
     EventRow,
     LabelRow,
@@ -29,6 +30,7 @@ from registry.catalog.models import (
 )
 from registry.catalog.records import (
     ArtifactRecord,
+    AttestationRecord,
     BlobRecord,
     EventRecord,
     PushOutcome,
@@ -193,6 +195,36 @@ class Catalog:
             digest = Digest.parse(old)
             self._add_event(s, dataclasses.replace(event, digest=digest), now)
         return digest
+
+    def add_attestation(self, att: AttestationRecord,
+                        event: EventRecord | None = None) -> int:
+        """Store an attestation (and its event) in one transaction; returns its id."""
+        now = _now()
+        with self._session(write=True) as s:
+            self._require_artifact(s, att.artifact)
+            row = AttestationRow(
+                artifact_digest=str(att.artifact), predicate_type=att.predicate_type,
+                statement=att.statement.decode(), statement_digest=str(att.statement_digest),
+                envelope=att.envelope.decode() if att.envelope is not None else None,
+                keyid=att.keyid, created_at=now)
+            s.add(row)
+            if event is not None:
+                self._add_event(s, event, now)
+            s.flush()
+            return row.id
+
+    def attestations(self, digest: Digest,
+                     predicate_type: str | None = None) -> list[AttestationRecord]:
+        q = select(AttestationRow).where(AttestationRow.artifact_digest == str(digest))
+        if predicate_type is not None:
+            q = q.where(AttestationRow.predicate_type == predicate_type)
+        with self._session() as s:
+            return [AttestationRecord(
+                artifact=Digest.parse(a.artifact_digest), predicate_type=a.predicate_type,
+                statement=a.statement.encode(),
+                envelope=a.envelope.encode() if a.envelope is not None else None,
+                keyid=a.keyid, created_at=_aware(a.created_at), id=a.id)
+                for a in s.scalars(q.order_by(AttestationRow.id))]
 
     def add_event(self, event: EventRecord) -> None:
         with self._session(write=True) as s:

@@ -52,6 +52,27 @@ class PushOutcome:
 
 
 @dataclass(frozen=True, slots=True)
+class AttestationRecord:
+    """A statement about an artifact digest (verification result, provenance, signature).
+
+    `statement` is the canonical JSON of the statement; `envelope`, when set, is a signed
+    envelope over it and `keyid` names the key that signed it.
+    """
+
+    artifact: Digest
+    predicate_type: str
+    statement: bytes
+    envelope: bytes | None = None
+    keyid: str | None = None
+    created_at: datetime | None = None
+    id: int | None = None
+
+    @property
+    def statement_digest(self) -> Digest:
+        return Digest.of(self.statement)
+
+
+@dataclass(frozen=True, slots=True)
 class TagRecord:
     repository: str
     tag: str

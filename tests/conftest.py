@@ -1,0 +1,114 @@
+"""Shared fixtures: registries on real backends (SQLite and PostgreSQL catalogs; local,
+memory and S3 blob stores). Under CI=true a backend that cannot be reached fails the run
+instead of skipping."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from registry.client import Registry
+from registry.config import Config
+from tests.services import ensure_postgres
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def unavailable(what: str) -> None:
+    """Skip locally, fail in CI: a missing service there is a broken set-up, not a pass."""
+    if IN_CI:
+        pytest.fail(f"{what} is not available (required under CI=true)")
+    pytest.skip(f"{what} is not available")
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    url = ensure_postgres()
+    if url is None:
+        unavailable("PostgreSQL")
+    assert url is not None
+    return url
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> Iterator[str]:
+    """A fresh, empty schema on the test server, as a catalog URL."""
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(postgres_server)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    sep = "&" if "?" in postgres_server else "?"
+    yield f"{postgres_server}{sep}options=-csearch_path%3D{schema}"
+    with admin.begin() as conn:
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'catalog.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    return url
+
+
+STORE_KINDS = ["local", "memory", "s3"]
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    kind = request.param
+    if kind == "local":
+        return (tmp_path / "blobs").as_uri()
+    if kind == "memory":
+        return f"memory://{uuid.uuid4().hex}"
+    url: str = request.getfixturevalue("s3_store_url")
+    return url
+
+
+@pytest.fixture
+def s3_store_url() -> str:
+    """A fresh prefix in a bucket of a real S3 server on loopback (tests/services.py)."""
+    from tests.services import ensure_s3
+
+    base = ensure_s3()
+    if base is None:
+        unavailable("an S3 server on loopback")
+    assert base is not None
+    return f"{base}/{uuid.uuid4().hex}"
+
+
+RegistryFactory = Callable[..., Registry]
+
+
+@pytest.fixture
+def make_registry(tmp_path: Path) -> RegistryFactory:
+    """Registries that share a tmp KVGRAFT_HOME unless told otherwise."""
+
+    def make(*, home: Path | None = None, catalog_url: str | None = None,
+             blob_url: str | None = None, cache_dir: Path | None = None) -> Registry:
+        home = home or tmp_path / "home"
+        env = {"KVGRAFT_HOME": str(home), "KVGRAFT_CACHE": str(cache_dir or home / "cache")}
+        return Registry(Config.from_env(env, catalog_url=catalog_url, blob_url=blob_url))
+
+    return make
+
+
+@pytest.fixture
+def registry(make_registry: RegistryFactory) -> Iterator[Registry]:
+    reg = make_registry()
+    yield reg
+    reg.close()
+
+
+@pytest.fixture
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    """Environment for running the CLI in a subprocess against a tmp home."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRAFT_")}
+    env.update(KVGRAFT_HOME=str(tmp_path / "home"), KVGRAFT_CACHE=str(tmp_path / "cache"))
+    return env
