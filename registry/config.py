@@ -26,13 +26,13 @@ class Config:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
         env = os.environ if env is None else env
-        home = Path(env.get("KVGRAFT_HOME") or Path.home() / ".kvgraft").expanduser()
+        home = Path(env.get("KVGRAFT_HOME") or Path.home() / ".kvgraft").expanduser().absolute()
         values: dict[str, object] = {
             "home": home,
             "catalog_url": env.get("KVGRAFT_CATALOG_URL") or default_catalog_url(home),
             "blob_url": env.get("KVGRAFT_BLOB_URL") or (home / "blobs").absolute().as_uri(),
             "cache_dir": Path(env.get("KVGRAFT_CACHE")
-                              or Path.home() / ".cache" / "kvgraft").expanduser(),
+                              or Path.home() / ".cache" / "kvgraft").expanduser().absolute(),
             "offline": env.get("KVGRAFT_OFFLINE", "") not in ("", "0", "false", "no"),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})

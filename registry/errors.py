@@ -20,6 +20,9 @@ class RegistryError(Exception):
     def human(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
 
+    def __str__(self) -> str:
+        return self.human()
+
 
 class UsageError(RegistryError, ValueError):
     """The caller asked for something malformed: a bad reference, option or argument."""

@@ -16,7 +16,7 @@ from registry.fsutil import atomic_writer
 
 class LocalBlobStore:
     def __init__(self, root: Path, *, durable: bool = True) -> None:
-        self.root = root
+        self.root = root.absolute()
         # A cache whose every read is verified can skip fsync: a torn file after a crash
         # is detected and fetched again. The registry's own store is always durable.
         self.durable = durable

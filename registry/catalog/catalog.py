@@ -135,11 +135,11 @@ class Catalog:
                 name=m.model_name, config=canonical_json(dict(m.model_config)).decode(),
                 created_at=now).on_conflict_do_nothing())
             model_id = s.scalar(select(ModelRow.id).where(ModelRow.identity == str(ident.key)))
-            created = s.execute(self._insert(ArtifactRow).values(  # type: ignore[attr-defined]
+            created = s.scalar(self._insert(ArtifactRow).values(
                 digest=digest, model_id=model_id, manifest=m.canonical().decode(), size=m.size,
                 token_count=m.token_count, chunk_tokens=m.chunk_tokens,
                 file_digest=str(m.file_digest), file_size=m.file_size, created_at=now,
-            ).on_conflict_do_nothing()).rowcount == 1
+            ).on_conflict_do_nothing().returning(ArtifactRow.digest)) is not None
             if created:
                 s.execute(self._insert(ArtifactBlobRow), [
                     {"artifact_digest": digest, "blob_digest": str(b.digest)} for b in m.blobs()])

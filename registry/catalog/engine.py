@@ -28,13 +28,16 @@ def make_engine(url: str) -> Engine:
     except ArgumentError:
         raise UsageError(f"malformed catalog URL: {safe_url(url)}") from None
     backend = parsed.get_backend_name()
-    if backend == "sqlite":
-        return _sqlite_engine(url, parsed.database)
-    if backend == "postgresql":
-        try:
-            return create_engine(url, pool_pre_ping=True, future=True)
-        except (ModuleNotFoundError, NoSuchModuleError):
-            raise MissingExtra("a PostgreSQL catalog", "postgres") from None
+    try:
+        if backend == "sqlite":
+            return _sqlite_engine(url, parsed.database)
+        if backend == "postgresql":
+            try:
+                return create_engine(url, pool_pre_ping=True)
+            except ModuleNotFoundError:
+                raise MissingExtra("a PostgreSQL catalog", "postgres") from None
+    except NoSuchModuleError:
+        raise UsageError(f"unknown database driver in catalog URL {safe_url(url)}") from None
     raise UsageError(
         f"unsupported catalog URL {safe_url(url)}",
         hint="use sqlite:///path or postgresql+psycopg://user@host/db",

@@ -1,0 +1,159 @@
+"""Push and pull of a synthetic BF16 KV file through the local store, next to a baseline
+measured in the same run: the same bytes through plain hashlib.sha256 + zstandard (same
+level) in one pass. Each measurement runs in its own process so its peak RSS is its own.
+
+    python -m benchmarks.core [--size-mib 1024] [--workdir .bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zstandard
+
+LEVEL = 1
+BLOCK = 4 << 20
+# SmolLM2-135M's KV shape: 30 layers, 3 KV heads, head_dim 64 → 23,040 bytes per token in BF16.
+LAYERS, HEADS, DIM = 30, 3, 64
+
+
+def kv_file(workdir: Path, size_mib: int) -> Path:
+    """The benchmark input, written once per size and reused."""
+    from registry.sample import write_synthetic
+
+    path = workdir / f"bench-{size_mib}MiB-bf16.kv"
+    if not path.exists():
+        tokens = size_mib * (1 << 20) // (LAYERS * HEADS * DIM * 2 * 2)
+        write_synthetic(path, num_layers=LAYERS, kv_heads=HEADS, head_dim=DIM, tokens=tokens,
+                        dtype="BF16", seed=42, name="bench")
+    return path
+
+
+def _child(argv: list[str]) -> tuple[dict[str, Any], int]:
+    """Run one measurement in a fresh process; returns its JSON result and peak RSS (bytes)."""
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.core", "--child", *argv],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark child {argv} failed with {proc.returncode}")
+    return json.loads(out), usage.ru_maxrss * 1024
+
+
+def baseline_push(src: Path, dst: Path) -> dict[str, Any]:
+    cctx = zstandard.ZstdCompressor(level=LEVEL)
+    h = hashlib.sha256()
+    t0 = time.perf_counter()
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        writer = cctx.stream_writer(out, closefd=False)
+        while block := f.read(BLOCK):
+            h.update(block)
+            writer.write(block)
+        writer.flush(zstandard.FLUSH_FRAME)
+    return {"seconds": time.perf_counter() - t0, "stored": dst.stat().st_size}
+
+
+def baseline_pull(src: Path, dst: Path) -> dict[str, Any]:
+    h = hashlib.sha256()
+    t0 = time.perf_counter()
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        reader = zstandard.ZstdDecompressor().stream_reader(f)
+        while block := reader.read(BLOCK):
+            h.update(block)
+            out.write(block)
+    return {"seconds": time.perf_counter() - t0}
+
+
+def _registry(home: Path, cache: Path) -> Any:
+    from registry.client import Registry
+    from registry.config import Config
+
+    return Registry(Config.from_env({"KVGRAFT_HOME": str(home), "KVGRAFT_CACHE": str(cache)}))
+
+
+def kvgraft_push(src: Path, home: Path) -> dict[str, Any]:
+    from registry.push import PushOptions
+
+    reg = _registry(home, home / "cache")
+    reg.catalog  # noqa: B018  (open and migrate the catalog outside the timed region)
+    t0 = time.perf_counter()
+    result = reg.push(src, "bench/kv:1", options=PushOptions(level=LEVEL))
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "stored": result.stored_size, "digest": str(result.digest)}
+
+
+def kvgraft_pull(home: Path, cache: Path, out: Path) -> dict[str, Any]:
+    reg = _registry(home, cache)
+    reg.catalog  # noqa: B018
+    t0 = time.perf_counter()
+    result = reg.pull("bench/kv:1", out)
+    return {"seconds": time.perf_counter() - t0, "fetched": result.stats.fetched}
+
+
+CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
+    "baseline-push": lambda a, b: baseline_push(Path(a), Path(b)),
+    "baseline-pull": lambda a, b: baseline_pull(Path(a), Path(b)),
+    "kvgraft-push": lambda a, b: kvgraft_push(Path(a), Path(b)),
+    "kvgraft-pull": lambda a, b, c: kvgraft_pull(Path(a), Path(b), Path(c)),
+}
+
+
+def run(workdir: Path, size_mib: int, report: Callable[[dict[str, Any]], None]) -> Path:
+    """Measure push and pull; returns the KV file so other benchmarks can reuse it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    src = kv_file(workdir, size_mib)
+    size = src.stat().st_size
+    mb = size / 1e6
+    scratch = workdir / "core"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    base_push, base_push_rss = _child(["baseline-push", str(src), str(scratch / "base.zst")])
+    push, push_rss = _child(["kvgraft-push", str(src), str(scratch / "home")])
+    base_pull, base_pull_rss = _child(["baseline-pull", str(scratch / "base.zst"),
+                                       str(scratch / "base.out")])
+    pull, pull_rss = _child(["kvgraft-pull", str(scratch / "home"), str(scratch / "cache"),
+                             str(scratch / "pulled.kv")])
+    if hashlib.sha256(src.read_bytes()).digest() != \
+            hashlib.sha256((scratch / "pulled.kv").read_bytes()).digest():
+        raise RuntimeError("pulled file differs from the pushed one")
+    for op, ours, ours_rss, base, base_rss in (
+            ("push", push, push_rss, base_push, base_push_rss),
+            ("pull", pull, pull_rss, base_pull, base_pull_rss)):
+        report({
+            "bench": f"local {op}", "size_mib": round(size / 2**20),
+            "kvgraft_MBps": round(mb / ours["seconds"], 1),
+            "baseline_MBps": round(mb / base["seconds"], 1),
+            "ratio": round(base["seconds"] / ours["seconds"], 2),
+            "compression": round(size / push["stored"], 3),
+            "baseline_compression": round(size / base_push["stored"], 3),
+            "peak_rss_MB": round(ours_rss / 1e6), "baseline_peak_rss_MB": round(base_rss / 1e6),
+        })
+    shutil.rmtree(scratch / "cache", ignore_errors=True)
+    return src
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        print(json.dumps(CHILDREN[sys.argv[2]](*sys.argv[3:])))
+        return
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--workdir", type=Path, default=Path(".bench"))
+    args = parser.parse_args()
+    run(args.workdir, args.size_mib, lambda row: print(json.dumps(row), flush=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from registry.blobstore.local import LocalBlobStore
+from registry.codec import MAGIC, parse_frame
+from registry.digest import Digest
+from registry.errors import IntegrityError, NotFound, UsageError
+from registry.manifest import Manifest
+from registry.push import PushOptions
+from registry.sample import write_synthetic
+from tests.conftest import RegistryFactory
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16"])
+@pytest.mark.parametrize(("tokens", "chunk"), [(1, 256), (255, 256), (256, 256), (1000, 256),
+                                               (777, 100), (40, 1)])
+def test_round_trip_byte_exact(make_registry: RegistryFactory, tmp_path: Path, dtype: str,
+                               tokens: int, chunk: int) -> None:
+    src = write_synthetic(tmp_path / "a.kv", dtype=dtype, tokens=tokens, num_layers=3,
+                          window=min(tokens, 37), sliding=[1])
+    reg = make_registry()
+    pushed = reg.push(src, "t/a:v1", options=PushOptions(chunk_tokens=chunk))
+    out = tmp_path / "out" / "a.kv"
+    pulled = reg.pull("t/a:v1", out)
+    assert pulled.digest == pushed.digest
+    assert sha(out) == sha(src)
+    manifest = reg.manifest(pushed.digest)
+    assert len(manifest.chunks) == -(-tokens // chunk)
+    assert manifest.file_digest.hex == sha(src)
+
+
+def test_round_trip_every_store(make_registry: RegistryFactory, store_url: str,
+                                tmp_path: Path) -> None:
+    src = write_synthetic(tmp_path / "a.kv", tokens=600, window=100, sliding=[0, 2])
+    reg = make_registry(blob_url=store_url)
+    digest = reg.push(src, "t/a").digest
+    out = tmp_path / "b.kv"
+    assert reg.pull("t/a", out).digest == digest
+    assert sha(out) == sha(src)
+    assert all(r.ok for r in reg.verify("t/a"))
+
+
+def test_second_push_stores_nothing(make_registry: RegistryFactory,
+                                    tmp_path: Path) -> None:
+    src = write_synthetic(tmp_path / "a.kv", tokens=600)
+    reg = make_registry()
+    first = reg.push(src, "t/a:1")
+    again = reg.push(src, "t/a:2")
+    assert first.digest == again.digest
+    assert first.created and not again.created
+    assert first.blobs_stored == 5 and again.blobs_stored == 0 and again.bytes_stored == 0
+
+
+def test_digest_is_independent_of_codec_level(make_registry: RegistryFactory,
+                                              tmp_path: Path) -> None:
+    src = write_synthetic(tmp_path / "a.kv", tokens=300)
+    a = make_registry(home=tmp_path / "h1").push(src, "t/a", options=PushOptions(level=1))
+    b = make_registry(home=tmp_path / "h2").push(src, "t/a", options=PushOptions(level=9))
+    c = make_registry(home=tmp_path / "h3").push(src, "t/a", options=PushOptions(codec="raw"))
+    assert a.digest == b.digest == c.digest
+    assert c.stored_size > a.stored_size
+
+
+def test_chunk_tokens_change_the_digest(make_registry: RegistryFactory, tmp_path: Path) -> None:
+    src = write_synthetic(tmp_path / "a.kv", tokens=300)
+    reg = make_registry()
+    assert reg.push(src, "t/a:x", options=PushOptions(chunk_tokens=100)).digest != \
+        reg.push(src, "t/a:y", options=PushOptions(chunk_tokens=128)).digest
+
+
+def test_shared_prefix_shares_chunk_blobs(make_registry: RegistryFactory, tmp_path: Path) -> None:
+    # The same first 512 tokens with identical K/V bytes, then different continuations.
+    ids = list(range(1000))
+    a = write_synthetic(tmp_path / "a.kv", tokens=600, token_ids=ids[:600], seed=1)
+    b = write_synthetic(tmp_path / "b.kv", tokens=600, token_ids=ids[:600], seed=1)
+    reg = make_registry()
+    ma = reg.manifest(reg.push(a, "t/a").digest)
+    mb = reg.manifest(reg.push(b, "t/b").digest)
+    assert ma.digest == mb.digest  # same content → same artifact, stored once
+    assert [c.prefix for c in ma.chunks] == [c.prefix for c in mb.chunks]
+
+
+def test_stored_blob_names_its_codec(make_registry: RegistryFactory, tmp_path: Path) -> None:
+    reg = make_registry()
+    digest = reg.push(write_synthetic(tmp_path / "a.kv"), "t/a").digest
+    manifest = reg.manifest(digest)
+    store = reg.store
+    assert isinstance(store, LocalBlobStore)
+    for ref in manifest.blobs():
+        stored = store.get(ref.digest)
+        assert stored.startswith(MAGIC)
+        name, size, _ = parse_frame(stored)
+        assert (name, size) == ("zstd", ref.size)
+    chunks = reg.inspect("t/a").to_json()["chunks"]
+    assert all(c["codec"] == "zstd" and c["stored_size"] < c["size"] for c in chunks)
+
+
+def test_corrupt_stored_blob_is_detected_and_named(make_registry: RegistryFactory,
+                                                   tmp_path: Path) -> None:
+    reg = make_registry()
+    digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=600), "t/a").digest
+    victim = reg.manifest(digest).chunks[1].digest
+    path = tmp_path / "home" / "blobs" / "sha256" / victim.hex[:2] / victim.hex[2:]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    reports = reg.verify("t/a")
+    assert [b.digest for b in reports[0].bad] == [victim]
+    fresh = make_registry(cache_dir=tmp_path / "other-cache")
+    with pytest.raises(IntegrityError, match=victim.hex) as e:
+        fresh.pull("t/a", tmp_path / "out.kv")
+    assert e.value.exit_code == 4
+    assert not (tmp_path / "out.kv").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.kv")]
+
+
+def test_missing_blob_is_reported(make_registry: RegistryFactory, tmp_path: Path) -> None:
+    reg = make_registry()
+    digest = reg.push(write_synthetic(tmp_path / "a.kv"), "t/a").digest
+    victim = reg.manifest(digest).chunks[0].digest
+    reg.store.delete(victim)
+    assert "missing" in reg.verify("t/a")[0].bad[0].reason
+    with pytest.raises(NotFound):
+        make_registry(cache_dir=tmp_path / "c2").pull("t/a", tmp_path / "o.kv")
+
+
+def test_second_pull_transfers_nothing(make_registry: RegistryFactory, tmp_path: Path) -> None:
+    reg = make_registry()
+    reg.push(write_synthetic(tmp_path / "a.kv", tokens=600), "t/a")
+    first = reg.pull("t/a", tmp_path / "1.kv")
+    second = reg.pull("t/a", tmp_path / "2.kv")
+    third = reg.pull("t/a")
+    assert first.stats.fetched == 5 and first.stats.fetched_bytes > 0
+    assert second.stats.fetched == 0 and second.stats.fetched_bytes == 0
+    assert third.stats.fetched == 0
+    assert sha(tmp_path / "1.kv") == sha(tmp_path / "2.kv")
+
+
+def test_tampered_cache_entry_is_refetched(make_registry: RegistryFactory,
+                                           tmp_path: Path) -> None:
+    reg = make_registry()
+    digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=600), "t/a").digest
+    reg.pull("t/a")
+    victim = reg.manifest(digest).chunks[0].digest
+    cached = tmp_path / "home" / "cache" / "blobs" / "sha256" / victim.hex[:2] / victim.hex[2:]
+    cached.write_bytes(cached.read_bytes()[:-1] + b"\x00")
+    result = reg.pull("t/a", tmp_path / "b.kv")
+    assert result.stats.fetched == 1
+    assert sha(tmp_path / "b.kv") == sha(tmp_path / "a.kv")
+
+
+def test_tag_untag_and_digest_refs(make_registry: RegistryFactory, tmp_path: Path) -> None:
+    reg = make_registry()
+    d1 = reg.push(write_synthetic(tmp_path / "a.kv", seed=1), "t/a:v1").digest
+    d2 = reg.push(write_synthetic(tmp_path / "b.kv", seed=2), "t/a:v2").digest
+    assert reg.tag("t/a:v1", "t/a:stable") == d1
+    assert reg.resolve("t/a:stable") == d1
+    reg.tag("t/a:v2", "t/a:stable")  # tags move
+    assert reg.resolve("t/a:stable") == d2
+    assert reg.resolve(f"t/a@{d1}") == d1
+    assert reg.untag("t/a:v1") == d1
+    with pytest.raises(NotFound):
+        reg.resolve("t/a:v1")
+    assert reg.resolve(f"t/a@{d1}") == d1  # untagged, still addressable by digest
+    with pytest.raises(NotFound):
+        reg.resolve(f"other/name@{d1}")  # digests resolve only in repositories that hold them
+    with pytest.raises(NotFound):
+        reg.untag("t/a:v1")
+    with pytest.raises(UsageError):
+        reg.push(tmp_path / "a.kv", f"t/a@{d1}")
+    assert [t.tag for t in reg.list("t/*")] == ["stable", "v2"]
+    assert reg.list("nomatch*") == ()
+
+
+def test_labels_and_inspect(make_registry: RegistryFactory, tmp_path: Path) -> None:
+    reg = make_registry()
+    reg.push(write_synthetic(tmp_path / "a.kv", tokens=300), "t/a", labels={"task": "math"})
+    info = reg.inspect("t/a").to_json()
+    assert info["labels"] == {"task": "math"}
+    assert info["size"] == sum(c["size"] for c in info["chunks"]) + \
+        info["manifest"]["file"]["header"]["size"] + info["manifest"]["tokens"]["blob"]["size"]
+    assert info["stored_size"] < info["size"]
+    assert info["tags"] == ["t/a:latest"]
+    Manifest.from_json(info["manifest"])
+
+
+def test_push_that_dies_half_way_leaves_no_catalog_row(make_registry: RegistryFactory,
+                                                       tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = make_registry()
+    src = write_synthetic(tmp_path / "a.kv", tokens=1000)
+    calls = 0
+    real_put = LocalBlobStore.put
+
+    def failing_put(self: LocalBlobStore, digest: Digest, parts: list[bytes]) -> bool:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise OSError("disk on fire")
+        return real_put(self, digest, parts)
+
+    monkeypatch.setattr(LocalBlobStore, "put", failing_put)
+    with pytest.raises(OSError, match="disk on fire"):
+        reg.push(src, "t/a")
+    with pytest.raises(NotFound):
+        reg.resolve("t/a")
+    assert reg.catalog.artifact_digests() == []
+    monkeypatch.setattr(LocalBlobStore, "put", real_put)
+    result = reg.push(src, "t/a")  # a re-push completes it, reusing what was stored
+    assert result.created and result.blobs_stored < 6
+    assert all(r.ok for r in reg.verify("t/a"))
+
+
+def test_decompression_bomb_is_refused(make_registry: RegistryFactory, tmp_path: Path) -> None:
+    import zstandard
+
+    from registry.codec import FRAME_VERSION
+
+    reg = make_registry()
+    digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=300), "t/a").digest
+    victim = reg.manifest(digest).chunks[0]
+    bomb_body = zstandard.ZstdCompressor().compress(bytes(victim.size * 1000))
+    for declared in (victim.size * 1000, victim.size):
+        bomb = MAGIC + bytes([FRAME_VERSION, 4]) + b"zstd" + declared.to_bytes(8, "little")
+        path = tmp_path / "home" / "blobs" / "sha256" / victim.digest.hex[:2] / \
+            victim.digest.hex[2:]
+        path.write_bytes(bomb + bomb_body)
+        with pytest.raises(IntegrityError, match="bytes, expected"):
+            make_registry(cache_dir=tmp_path / f"c{declared}").pull("t/a", tmp_path / "o.kv")
+
+
+def test_unknown_codec_in_store_is_refused(make_registry: RegistryFactory,
+                                           tmp_path: Path) -> None:
+    from registry.codec import FRAME_VERSION
+
+    reg = make_registry()
+    digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=300), "t/a").digest
+    victim = reg.manifest(digest).chunks[0]
+    path = tmp_path / "home" / "blobs" / "sha256" / victim.digest.hex[:2] / victim.digest.hex[2:]
+    path.write_bytes(MAGIC + bytes([FRAME_VERSION, 5]) + b"lzma9" +
+                     victim.size.to_bytes(8, "little") + b"...")
+    with pytest.raises(IntegrityError, match="unknown codec 'lzma9'"):
+        make_registry(cache_dir=tmp_path / "c").pull("t/a", tmp_path / "o.kv")
+    assert "unknown codec" in reg.verify("t/a")[0].bad[0].reason
+
+
+def test_parent_must_exist_and_is_recorded(make_registry: RegistryFactory,
+                                           tmp_path: Path) -> None:
+    reg = make_registry()
+    parent = reg.push(write_synthetic(tmp_path / "p.kv", seed=1), "t/p").digest
+    child = reg.push(write_synthetic(tmp_path / "c.kv", seed=2), "t/c",
+                     options=PushOptions(parents=(parent,))).digest
+    assert reg.manifest(child).parents == (parent,)
+    with pytest.raises(NotFound):
+        reg.push(tmp_path / "c.kv", "t/d", options=PushOptions(parents=(Digest("0" * 64),)))
+
+
+def test_push_reads_the_file_in_bounded_memory(tmp_path: Path) -> None:
+    # gather() reads only the chunk's slices: a file far bigger than a chunk stays on disk.
+    from registry.chunks import gather, plan_chunks
+    from registry.kvfile import read_layout
+
+    src = write_synthetic(tmp_path / "a.kv", tokens=2048, num_layers=2)
+    layout = read_layout(src)
+    plans = plan_chunks(layout, 256)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        buf = bytearray()
+        sizes = {len(gather(fd, p, buf)) for p in plans}
+    finally:
+        os.close(fd)
+    assert max(sizes) < layout.file_size / 7
+    assert len(buf) == max(sizes)  # one reused buffer

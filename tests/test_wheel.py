@@ -1,0 +1,74 @@
+"""A wheel built from the repository works on its own, from another directory."""
+
+from __future__ import annotations
+
+import os
+import site
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(out), str(ROOT)],
+                   check=True, capture_output=True, timeout=300)
+    (whl,) = out.glob("kvgraft-*.whl")
+    return whl
+
+
+def test_wheel_carries_migrations_and_schemas(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "registry/_migrations/env.py" in names
+    assert any(n.startswith("registry/_migrations/versions/0001") for n in names)
+    assert "registry/_schemas/manifest.schema.json" in names
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"registry", "cli"}
+
+
+def test_installed_wheel_runs_from_another_directory(wheel: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True,
+                   capture_output=True, timeout=300)
+    # The dependencies come from this interpreter's site-packages (a path entry, not a site
+    # dir, so the source checkout's editable hook is not picked up).
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    deps = [p for p in [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
+            if Path(p).is_dir()]
+    Path(purelib, "kvgraft-test-deps.pth").write_text("\n".join(dict.fromkeys(deps)) + "\n")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGRAFT_", "PYTHON"))}
+    env.update(KVGRAFT_HOME=str(tmp_path / "home"), KVGRAFT_CACHE=str(tmp_path / "cache"))
+    kvgraft = str(venv / "bin" / "kvgraft")
+
+    def run(*args: str) -> str:
+        proc = subprocess.run([kvgraft, *args], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    where = subprocess.run(
+        [str(py), "-c", "import registry, cli; print(registry.__file__, cli.__file__)"],
+        cwd=work, env=env, capture_output=True, text=True, check=True).stdout
+    assert str(ROOT) not in where and str(venv) in where
+    run("db", "upgrade")
+    assert "up to date" in run("db", "current")
+    subprocess.run([str(py), "-c", "from registry.sample import write_synthetic; "
+                    "write_synthetic('a.kv', tokens=300)"], cwd=work, env=env, check=True)
+    digest = run("push", "a.kv", "w/a:1").strip()
+    run("pull", "w/a:1", "--output", "b.kv")
+    assert (work / "a.kv").read_bytes() == (work / "b.kv").read_bytes()
+    assert digest in run("verify", "w/a:1")
