@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -52,17 +53,18 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON."
 @click.option("--store", "blob_url", help="Blob store URL (overrides $KVGRAFT_BLOB_URL).")
 @click.option("--cache", "cache_dir", type=click.Path(path_type=Path),
               help="Pull cache directory (overrides $KVGRAFT_CACHE).")
+@click.option("--remote", help="A remote from $KVGRAFT_HOME/config.toml (or $KVGRAFT_REMOTE).")
+@click.option("--offline", is_flag=True, default=None,
+              help="Serve only from the local cache: no catalog or store access.")
 @click.pass_context
 def cli(ctx: click.Context, home: Path | None, catalog_url: str | None, blob_url: str | None,
-        cache_dir: Path | None) -> None:
+        cache_dir: Path | None, remote: str | None, offline: bool | None) -> None:
     """kvgraft: a content-addressed registry for byte-exact KV-cache grafts."""
-    env_overrides: dict[str, str] = {}
+    env = dict(os.environ)
     if home is not None:
-        env_overrides["KVGRAFT_HOME"] = str(home)
-    import os
-
-    config = Config.from_env({**os.environ, **env_overrides}, catalog_url=catalog_url,
-                             blob_url=blob_url, cache_dir=cache_dir)
+        env["KVGRAFT_HOME"] = str(home)
+    config = Config.from_env(env, remote=remote, catalog_url=catalog_url, blob_url=blob_url,
+                             cache_dir=cache_dir, offline=offline or None)
     registry = Registry(config)
     ctx.obj = registry
     ctx.call_on_close(registry.close)
@@ -112,8 +114,7 @@ def pull(ctx: click.Context, ref: str, output: Path | None, as_json: bool) -> No
     """Pull REF into the local cache, verifying every byte; --output rebuilds the file."""
     reg = _registry(ctx)
     reference = _ref(ref)
-    digest = reg.resolve(reference)
-    total = reg.manifest(digest).size
+    total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:
         result = reg.pull(reference, output, progress=advance)
     s = result.stats
@@ -259,3 +260,13 @@ def db_current(ctx: click.Context, as_json: bool) -> None:
 
 def main() -> None:
     cli(prog_name="kvgraft")
+
+
+def _register() -> None:
+    from cli import manage
+
+    for command in manage.COMMANDS:
+        cli.add_command(command)
+
+
+_register()

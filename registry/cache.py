@@ -1,28 +1,59 @@
-"""The per-machine pull cache: verified decoded blobs and manifests under $KVGRAFT_CACHE.
+"""The per-machine pull cache under $KVGRAFT_CACHE: verified decoded blobs, manifests and
+the references last resolved (so `pull --offline` needs neither catalog nor store).
 
-Entries are written by unique temp file + rename and re-verified on every read, so a torn
-or tampered entry is dropped and fetched again; no lock is needed for correctness.
+Entries are written by unique temp file + link/rename and re-verified on every read, so a
+torn or tampered entry is dropped and fetched again. Locks only save duplicate downloads
+when several processes pull the same blob at once; correctness never depends on them
+(flock may do nothing on network filesystems).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from registry.blobstore.base import blob_path
 from registry.blobstore.local import LocalBlobStore
 from registry.codec import RawCodec, decode_blob, frame
 from registry.digest import Buffer, Digest
-from registry.errors import IntegrityError
+from registry.errors import IntegrityError, UsageError
 from registry.fsutil import atomic_writer
+from registry.manifest import Manifest
+from registry.reference import Reference
+
+
+@dataclass(frozen=True, slots=True)
+class CachedArtifact:
+    digest: Digest
+    refs: tuple[str, ...]
+    size: int  # decoded bytes the artifact needs
+    cached_bytes: int  # of those, how many are in the cache
+    last_used: float
+
+    @property
+    def complete(self) -> bool:
+        return self.cached_bytes == self.size
+
+
+@dataclass(frozen=True, slots=True)
+class PruneReport:
+    artifacts: int
+    blobs: int
+    bytes_freed: int
 
 
 class Cache:
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.blobs = LocalBlobStore(root / "blobs", durable=False)
+        self.root = root.absolute()
+        self.blobs = LocalBlobStore(self.root / "blobs", durable=False)
         self._raw = RawCodec()
+
+    # --- blobs -------------------------------------------------------------------------
 
     def get(self, digest: Digest, size: int) -> Buffer | None:
         """The verified decoded blob, or None (a bad entry is removed)."""
@@ -44,6 +75,21 @@ class Cache:
     def has(self, digest: Digest) -> bool:
         return self.blobs.exists(digest)
 
+    @contextlib.contextmanager
+    def lock(self, digest: Digest) -> Iterator[None]:
+        """Serialise fetches of one blob across local processes (an optimisation only)."""
+        path = self.root / "locks" / f"{digest.hex}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    # --- manifests and references ------------------------------------------------------
+
     def _manifest_path(self, digest: Digest) -> Path:
         return self.root / "manifests" / blob_path(digest)
 
@@ -63,4 +109,99 @@ class Cache:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # last use, for prune --older-than
         return raw
+
+    def _ref_path(self, ref: Reference) -> Path:
+        if ref.tag is None:
+            raise UsageError("only tag references are remembered")
+        return self.root / "refs" / ref.name / ref.tag
+
+    def put_ref(self, ref: Reference, digest: Digest) -> None:
+        if ref.tag is None:
+            return
+        with atomic_writer(self._ref_path(ref), durable=False) as f:
+            f.write(str(digest).encode())
+
+    def get_ref(self, ref: Reference) -> Digest | None:
+        if ref.digest is not None:
+            return ref.digest
+        try:
+            return Digest.parse(self._ref_path(ref).read_text().strip())
+        except (FileNotFoundError, UsageError):
+            return None
+
+    def _refs(self) -> dict[Digest, list[str]]:
+        out: dict[Digest, list[str]] = {}
+        base = self.root / "refs"
+        if base.is_dir():
+            for path in sorted(p for p in base.rglob("*") if p.is_file()):
+                if path.name.startswith("."):
+                    continue
+                rel = path.relative_to(base)
+                with contextlib.suppress(UsageError, OSError):
+                    digest = Digest.parse(path.read_text().strip())
+                    out.setdefault(digest, []).append(f"{rel.parent.as_posix()}:{rel.name}")
+        return out
+
+    # --- listing and pruning -----------------------------------------------------------
+
+    def _manifests(self) -> Iterator[tuple[Manifest, float]]:
+        base = self.root / "manifests" / "sha256"
+        if not base.is_dir():
+            return
+        for path in sorted(base.glob("*/*")):
+            if path.name.startswith("."):
+                continue
+            with contextlib.suppress(UsageError, IntegrityError, OSError):
+                digest = Digest(path.parent.name + path.name)
+                yield Manifest.parse(path.read_bytes(), digest), path.stat().st_mtime
+
+    def artifacts(self) -> list[CachedArtifact]:
+        refs = self._refs()
+        out = []
+        for m, mtime in self._manifests():
+            blobs = m.blobs()
+            cached = sum(b.size for b in blobs if self.has(b.digest))
+            out.append(CachedArtifact(m.digest, tuple(refs.get(m.digest, ())),
+                                      sum(b.size for b in blobs), cached, mtime))
+        return out
+
+    def prune(self, *, older_than: float | None = None, everything: bool = False,
+              dry_run: bool = False) -> PruneReport:
+        """Forget artifacts unused for `older_than` seconds (all with `everything`), then
+        delete blobs no remaining cached manifest needs, and stale temp files."""
+        now = time.time()
+        keep: set[Digest] = set()
+        dropped = 0
+        refs = self._refs()
+        for m, mtime in self._manifests():
+            if everything or (older_than is not None and now - mtime >= older_than):
+                dropped += 1
+                if not dry_run:
+                    for ref in refs.get(m.digest, ()):
+                        name, _, tag = ref.rpartition(":")
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(self.root / "refs" / name / tag)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._manifest_path(m.digest))
+            else:
+                keep.update(b.digest for b in m.blobs())
+        blobs = freed = 0
+        for info in list(self.blobs.iter()):
+            if info.digest not in keep:
+                blobs += 1
+                freed += info.stored_size
+                if not dry_run:
+                    self.blobs.delete(info.digest)
+        if not dry_run:
+            self._sweep_temp(now)
+        return PruneReport(dropped, blobs, freed)
+
+    def _sweep_temp(self, now: float, grace: float = 3600.0) -> None:
+        # A temp file older than an hour belongs to a writer that died.
+        for path in self.root.rglob(".*.tmp"):
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > grace:
+                    path.unlink()

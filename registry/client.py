@@ -20,6 +20,7 @@ from registry.manifest import Manifest
 from registry.pull import Fetcher, FetchStats, Progress, export, fetch
 from registry.push import PushOptions, build_artifact
 from registry.reference import Reference, check_name
+from registry.transfer import CopyStats, copy_blobs
 from registry.verify import VerifyReport, verify_artifact
 
 _LABEL_KEY_MAX = 255
@@ -78,8 +79,8 @@ class Registry:
         self.user, self.host = actor()
 
     @classmethod
-    def from_env(cls, **overrides: object) -> Registry:
-        return cls(Config.from_env(None, **overrides))
+    def from_env(cls, *, remote: str | None = None, **overrides: object) -> Registry:
+        return cls(Config.from_env(None, remote=remote, **overrides))
 
     @cached_property
     def store(self) -> BlobStore:
@@ -121,6 +122,7 @@ class Registry:
         outcome = self.catalog.record_push(PushRecord(
             m, upload.blobs, ref.name, ref.tag, labels, event))
         self.cache.put_manifest(m.digest, m.canonical())
+        self.cache.put_ref(ref, m.digest)
         return PushResult(m.digest, ref, outcome.created, upload.stored, upload.stored_bytes,
                           m.size, sum(b.stored_size for b in upload.blobs), m.token_count,
                           outcome.previous)
@@ -147,12 +149,20 @@ class Registry:
 
     def resolve(self, ref: Reference | str) -> Digest:
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        if self.config.offline:
+            digest = self.cache.get_ref(ref)
+            if digest is None:
+                raise NotFound(f"{ref} is not in the local cache (offline)",
+                               hint="pull it once online first")
+            return digest
         return self.catalog.resolve(ref)
 
     def manifest(self, digest: Digest) -> Manifest:
         cached = self.cache.get_manifest(digest)
         if cached is not None:
             return Manifest.parse(cached, digest)
+        if self.config.offline:
+            raise NotFound(f"manifest {digest} is not in the local cache (offline)")
         raw = self.catalog.artifact(digest).manifest
         try:
             manifest = Manifest.parse(raw, digest)
@@ -166,16 +176,42 @@ class Registry:
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
         digest = self.resolve(ref)
         manifest = self.manifest(digest)
-        fetcher = Fetcher(self.store, self.cache)
+        fetcher = Fetcher(None if self.config.offline else self.store, self.cache)
         if output is None:
             stats = fetch(manifest, fetcher, workers=workers, progress=progress)
         else:
             stats = export(manifest, fetcher, output, workers=workers, progress=progress)
+        if self.config.offline:
+            return PullResult(digest, ref, output, stats)  # no catalog to log to
+        self.cache.put_ref(ref, digest)
         self.catalog.add_event(self._event(
             "pull", repository=ref.name, tag=ref.tag, digest=digest,
             detail={"fetched": stats.fetched, "fetched_bytes": stats.fetched_bytes,
                     "output": str(output) if output else None}))
         return PullResult(digest, ref, output, stats)
+
+    def copy(self, src: Reference | str, dst_registry: Registry, dst: Reference | str,
+             ) -> tuple[Digest, CopyStats]:
+        """Copy the artifact `src` names into `dst_registry` as `dst`; only missing blobs
+        move. Labels come along; the copy is an event in both catalogs."""
+        src = Reference.parse(src) if isinstance(src, str) else src
+        dst = Reference.parse(dst) if isinstance(dst, str) else dst
+        if dst.digest is not None and dst.digest != self.resolve(src):
+            raise UsageError(f"{dst} names a different digest than {src}")
+        digest = self.resolve(src)
+        manifest = Manifest.parse(self.catalog.artifact(digest).manifest, digest)
+        stats = copy_blobs(manifest, self.store, dst_registry.store)
+        labels = self.catalog.artifact(digest).labels
+        detail = {"source": f"{self.config.remote or 'local'}:{src}",
+                  "target": f"{dst_registry.config.remote or 'local'}:{dst}",
+                  "blobs_copied": stats.copied, "bytes_copied": stats.copied_bytes}
+        dst_registry.catalog.record_push(PushRecord(
+            manifest, stats.blobs, dst.name, dst.tag, labels,
+            dst_registry._event("copy", repository=dst.name, tag=dst.tag, digest=digest,
+                                detail=detail)))
+        self.catalog.add_event(self._event("copy", repository=src.name, tag=src.tag,
+                                           digest=digest, detail=detail))
+        return digest, stats
 
     def list(self, pattern: str | None = None) -> tuple[TagRecord, ...]:
         if pattern and not any(ch in pattern for ch in "*?["):

@@ -23,8 +23,12 @@ class Config:
         """The default SQLite catalog under home, which upgrades itself on first use."""
         return self.catalog_url == default_catalog_url(self.home)
 
+    remote: str | None = None
+
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> Config:
+    def from_env(cls, env: Mapping[str, str] | None = None, *, remote: str | None = None,
+                 **overrides: object) -> Config:
+        """Flags (`overrides`) win over a named remote, which wins over the environment."""
         env = os.environ if env is None else env
         home = Path(env.get("KVGRAFT_HOME") or Path.home() / ".kvgraft").expanduser().absolute()
         values: dict[str, object] = {
@@ -35,6 +39,14 @@ class Config:
                               or Path.home() / ".cache" / "kvgraft").expanduser().absolute(),
             "offline": env.get("KVGRAFT_OFFLINE", "") not in ("", "0", "false", "no"),
         }
+        remote = remote or env.get("KVGRAFT_REMOTE") or None
+        if remote:
+            from registry.remotes import get_remote
+
+            r = get_remote(home, remote)
+            values.update(catalog_url=r.catalog_url, blob_url=r.blob_url, remote=r.name)
+            if r.cache_dir is not None:
+                values["cache_dir"] = r.cache_dir.absolute()
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
 

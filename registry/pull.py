@@ -65,10 +65,17 @@ class Fetcher:
             self._count(0)
             return data, 0
         if self.store is None:
-            raise NotFound(f"blob {ref.digest} is not in the cache and kvgraft is offline")
-        stored = self.store.get(ref.digest)
-        data = verify_stored(ref, stored, self.store.url)
-        self.cache.put(ref.digest, data)
+            raise NotFound(f"blob {ref.digest} is not in the cache and kvgraft is offline",
+                           hint="pull it once online first")
+        with self.cache.lock(ref.digest):
+            # Another process may have fetched it while we waited for the lock.
+            data = self.cache.get(ref.digest, ref.size)
+            if data is not None:
+                self._count(0)
+                return data, 0
+            stored = self.store.get(ref.digest)
+            data = verify_stored(ref, stored, self.store.url)
+            self.cache.put(ref.digest, data)
         self._count(len(stored))
         return data, len(stored)
 

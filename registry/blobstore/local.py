@@ -11,7 +11,7 @@ from typing import BinaryIO
 from registry.blobstore.base import BlobInfo, blob_path
 from registry.digest import Buffer, Digest
 from registry.errors import NotFound, Unavailable, UsageError
-from registry.fsutil import atomic_writer
+from registry.fsutil import create_exclusive
 
 
 class LocalBlobStore:
@@ -43,12 +43,9 @@ class LocalBlobStore:
         if target.is_file():
             return False
         try:
-            with atomic_writer(target, durable=self.durable) as f:
-                for p in parts:
-                    f.write(p)
+            return create_exclusive(target, parts, durable=self.durable)
         except OSError as e:
             raise Unavailable(f"cannot write blob {digest} under {self.root}: {e}") from None
-        return True
 
     def get(self, digest: Digest) -> bytes:
         with self.open(digest) as f:

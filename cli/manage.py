@@ -1,0 +1,154 @@
+"""Commands for the local machine's view of registries: remotes, copy and the pull cache."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import click
+
+from cli.output import emit_json, emit_table, err, human_bytes
+from registry.client import Registry
+from registry.config import Config
+from registry.errors import UsageError
+from registry.reference import Reference
+from registry.remotes import Remote, add_remote, load_remotes, remove_remote
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+_DURATION = re.compile(r"(\d+)([smhdw]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """'0s', '30s', '15m', '24h', '7d', '2w' → seconds."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None:
+        raise UsageError(f"not a duration: {text!r}", hint="use e.g. 30s, 15m, 24h, 7d")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def _registry(ctx: click.Context) -> Registry:
+    reg: Registry = ctx.find_object(Registry)  # type: ignore[assignment]
+    return reg
+
+
+@click.group()
+def remote() -> None:
+    """Named registries in $KVGRAFT_HOME/config.toml."""
+
+
+@remote.command("add")
+@click.argument("name")
+@click.option("--catalog", "catalog_url", required=True, help="Catalog URL.")
+@click.option("--store", "blob_url", required=True, help="Blob store URL.")
+@click.option("--cache", "cache_dir", type=click.Path(path_type=Path), help="Cache directory.")
+@click.option("--replace", is_flag=True, help="Overwrite an existing remote of that name.")
+@click.pass_context
+def remote_add(ctx: click.Context, name: str, catalog_url: str, blob_url: str,
+               cache_dir: Path | None, replace: bool) -> None:
+    """Add a remote NAME."""
+    home = _registry(ctx).config.home
+    add_remote(home, Remote(name, catalog_url, blob_url, cache_dir), replace=replace)
+    err(f"added remote {name}")
+
+
+@remote.command("ls")
+@json_option
+@click.pass_context
+def remote_ls(ctx: click.Context, as_json: bool) -> None:
+    """List remotes."""
+    remotes = load_remotes(_registry(ctx).config.home).values()
+    if as_json:
+        for r in remotes:
+            emit_json({"name": r.name, "catalog": r.catalog_url, "store": r.blob_url,
+                       "cache": str(r.cache_dir) if r.cache_dir else None})
+        return
+    from registry.catalog.engine import safe_url
+
+    emit_table(["NAME", "CATALOG", "STORE", "CACHE"],
+               [(r.name, safe_url(r.catalog_url), r.blob_url, r.cache_dir or "-")
+                for r in remotes])
+
+
+@remote.command("rm")
+@click.argument("name")
+@click.pass_context
+def remote_rm(ctx: click.Context, name: str) -> None:
+    """Remove the remote NAME (nothing in it is deleted)."""
+    remove_remote(_registry(ctx).config.home, name)
+    err(f"removed remote {name}")
+
+
+@click.command("copy")
+@click.argument("src")
+@click.argument("dst")
+@json_option
+@click.pass_context
+def copy(ctx: click.Context, src: str, dst: str, as_json: bool) -> None:
+    """Copy SRC (a reference in the current registry) to DST (REMOTE/name[:tag]).
+
+    Only blobs the target lacks are transferred."""
+    reg = _registry(ctx)
+    remote_name, slash, rest = dst.partition("/")
+    if not slash or not rest:
+        raise UsageError(f"the target is REMOTE/name[:tag], got {dst!r}")
+    target = Registry(Config.from_env({"KVGRAFT_HOME": str(reg.config.home)},
+                                      remote=remote_name))
+    try:
+        digest, stats = reg.copy(Reference.parse(src), target, Reference.parse(rest))
+    finally:
+        target.close()
+    if as_json:
+        emit_json({"digest": str(digest), "target": dst, "blobs_copied": stats.copied,
+                   "bytes_copied": stats.copied_bytes, "blobs": len(stats.blobs)})
+        return
+    err(f"copied {src} to {dst}: {stats.copied} of {len(stats.blobs)} blobs transferred "
+        f"({human_bytes(stats.copied_bytes)})")
+    click.echo(str(digest))
+
+
+@click.group()
+def cache() -> None:
+    """The per-machine pull cache."""
+
+
+@cache.command("ls")
+@json_option
+@click.pass_context
+def cache_ls(ctx: click.Context, as_json: bool) -> None:
+    """List cached artifacts and how much of each is present."""
+    arts = _registry(ctx).cache.artifacts()
+    if as_json:
+        for a in arts:
+            emit_json({"digest": str(a.digest), "refs": list(a.refs), "size": a.size,
+                       "cached_bytes": a.cached_bytes, "complete": a.complete,
+                       "last_used": a.last_used})
+        return
+    emit_table(["DIGEST", "REFS", "SIZE", "CACHED"],
+               [(a.digest.short, ", ".join(a.refs) or "-", human_bytes(a.size),
+                 "complete" if a.complete else human_bytes(a.cached_bytes)) for a in arts])
+
+
+@cache.command("prune")
+@click.option("--older-than", help="Forget artifacts not used for this long (e.g. 7d).")
+@click.option("--all", "everything", is_flag=True, help="Empty the cache.")
+@click.option("--dry-run", is_flag=True, help="Only say what would be removed.")
+@json_option
+@click.pass_context
+def cache_prune(ctx: click.Context, older_than: str | None, everything: bool, dry_run: bool,
+                as_json: bool) -> None:
+    """Remove cached blobs no remembered artifact needs (and old artifacts with --older-than)."""
+    seconds = parse_duration(older_than) if older_than else None
+    report = _registry(ctx).cache.prune(older_than=seconds, everything=everything,
+                                        dry_run=dry_run)
+    if as_json:
+        emit_json({"artifacts": report.artifacts, "blobs": report.blobs,
+                   "bytes_freed": report.bytes_freed, "dry_run": dry_run})
+        return
+    verb = "would free" if dry_run else "freed"
+    err(f"{verb} {human_bytes(report.bytes_freed)}: {report.blobs} blobs, "
+        f"{report.artifacts} artifacts")
+
+
+COMMANDS = [remote, copy, cache]
