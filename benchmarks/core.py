@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -39,17 +38,25 @@ def kv_file(workdir: Path, size_mib: int) -> Path:
     return path
 
 
+def peak_rss() -> int:
+    """This process's peak resident set (VmHWM), in bytes.
+
+    Read from /proc rather than getrusage: a child's ru_maxrss starts from its parent's RSS
+    at fork, which would charge the parent's memory to every measurement."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def _child(argv: list[str]) -> tuple[dict[str, Any], int]:
     """Run one measurement in a fresh process; returns its JSON result and peak RSS (bytes)."""
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.core", "--child", *argv],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.core", "--child", *argv],
+                          stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child {argv} failed with {proc.returncode}")
-    return json.loads(out), usage.ru_maxrss * 1024
+    result = json.loads(proc.stdout)
+    return result, result.pop("peak_rss")
 
 
 def baseline_push(src: Path, dst: Path) -> dict[str, Any]:
@@ -146,7 +153,8 @@ def run(workdir: Path, size_mib: int, report: Callable[[dict[str, Any]], None]) 
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        print(json.dumps(CHILDREN[sys.argv[2]](*sys.argv[3:])))
+        result = CHILDREN[sys.argv[2]](*sys.argv[3:])
+        print(json.dumps({**result, "peak_rss": peak_rss()}))
         return
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=1024)

@@ -1,5 +1,7 @@
-"""The per-machine pull cache under $KVGRAFT_CACHE: verified decoded blobs, manifests and
-the references last resolved (so `pull --offline` needs neither catalog nor store).
+"""The per-machine pull cache under $KVGRAFT_CACHE: verified blobs (as the store holds
+them, so filling the cache costs no re-encoding and no more disk than the compressed
+size), manifests and the references last resolved (so `pull --offline` needs neither
+catalog nor store).
 
 Entries are written by unique temp file + link/rename and re-verified on every read, so a
 torn or tampered entry is dropped and fetched again. Locks only save duplicate downloads
@@ -70,7 +72,12 @@ class Cache:
         return data
 
     def put(self, digest: Digest, data: Buffer) -> None:
+        """Cache decoded bytes (stored uncompressed)."""
         self.blobs.put(digest, frame(self._raw, data))
+
+    def put_stored(self, digest: Digest, stored: Buffer) -> None:
+        """Cache a stored blob exactly as fetched; the caller has verified it."""
+        self.blobs.put(digest, [stored])
 
     def has(self, digest: Digest) -> bool:
         return self.blobs.exists(digest)

@@ -75,7 +75,7 @@ class Fetcher:
                 return data, 0
             stored = self.store.get(ref.digest)
             data = verify_stored(ref, stored, self.store.url)
-            self.cache.put(ref.digest, data)
+            self.cache.put_stored(ref.digest, stored)
         self._count(len(stored))
         return data, len(stored)
 
@@ -185,9 +185,12 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int =
                 progress(ref.size * len(places[ref.digest]))
         # Every chunk was verified on the way in; this pass checks the assembly itself.
         # The file digest covers each tensor's bytes, so tensor digests need no second pass.
-        manifest.file_digest.check(file_digest_of(fd, manifest.file_size),
-                                   f"rebuilt file {output}")
-        os.fsync(fd)
+        # Flushing to disk and re-reading from the page cache overlap (both drop the GIL).
+        with ThreadPoolExecutor(1, thread_name_prefix="kvgraft-fsync") as pool:
+            synced = pool.submit(os.fsync, fd)
+            digest = file_digest_of(fd, manifest.file_size)
+            synced.result()
+        manifest.file_digest.check(digest, f"rebuilt file {output}")
         os.close(fd)
         fd = -1
         os.replace(tmp, output)

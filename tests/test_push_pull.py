@@ -152,7 +152,9 @@ def test_tampered_cache_entry_is_refetched(make_registry: RegistryFactory,
     reg.pull("t/a")
     victim = reg.manifest(digest).chunks[0].digest
     cached = tmp_path / "home" / "cache" / "blobs" / "sha256" / victim.hex[:2] / victim.hex[2:]
-    cached.write_bytes(cached.read_bytes()[:-1] + b"\x00")
+    data = bytearray(cached.read_bytes())
+    data[-1] ^= 0xFF
+    cached.write_bytes(bytes(data))
     result = reg.pull("t/a", tmp_path / "b.kv")
     assert result.stats.fetched == 1
     assert sha(tmp_path / "b.kv") == sha(tmp_path / "a.kv")

@@ -1,0 +1,58 @@
+"""`make bench`: every benchmark, each against a baseline measured in the same run.
+
+Rows are printed as they come and written to .bench/results.json.
+    python -m benchmarks.run [--size-mib 1024] [--only core,s3,codec,graft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+WORKDIR = Path(".bench")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
+    parser.add_argument("--only", default="core,s3,codec,graft")
+    args = parser.parse_args()
+    wanted = set(args.only.split(","))
+    rows: list[dict[str, Any]] = []
+
+    def report(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    WORKDIR.mkdir(exist_ok=True)
+    from benchmarks import core
+
+    kv = core.kv_file(WORKDIR, args.size_mib)
+    if "core" in wanted:
+        core.run(WORKDIR, args.size_mib, report)
+    if "s3" in wanted:
+        from benchmarks import s3
+
+        s3.run(WORKDIR, kv, report)
+    if "codec" in wanted:
+        from benchmarks import codec
+
+        codec.run(report)
+    if "graft" in wanted:
+        from benchmarks import graft
+
+        graft.run(report)
+    result = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {"cpus": __import__("os").cpu_count(),
+                          "python": platform.python_version()},
+              "rows": rows}
+    (WORKDIR / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {WORKDIR / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main()
