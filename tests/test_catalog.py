@@ -41,6 +41,12 @@ def test_migrated_schema_matches_the_orm(catalog_url: str) -> None:
     assert diff == []
 
 
+def test_head_constant_matches_the_migration_scripts() -> None:
+    from registry.catalog.schema import script_head
+
+    assert head_revision() == script_head()
+
+
 def test_catalog_behind_refuses_and_names_the_fix(catalog_url: str) -> None:
     with pytest.raises(CatalogOutdated, match="kvgraft db upgrade") as e:
         Catalog.open(catalog_url)
