@@ -20,7 +20,7 @@ from registry.catalog.records import BlobRecord
 from registry.chunks import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkPlan, gather, plan_chunks
 from registry.codec import DEFAULT_CODEC, Codec, frame, get_codec, parse_frame
 from registry.digest import Buffer, Digest
-from registry.errors import UsageError
+from registry.errors import IntegrityError, UsageError
 from registry.kvfile import KVLayout, hash_file, read_layout
 from registry.manifest import BlobRef, ChunkRef, LayerRef, Manifest
 from registry.prefix import prefix_keys
@@ -54,6 +54,17 @@ class Upload:
     stored_bytes: int = 0
 
 
+def existing_record(store: BlobStore, digest: Digest, size: int) -> BlobRecord | None:
+    """Describe a blob already in `store` (its codec comes from the stored frame)."""
+    info = store.stat(digest)
+    if info is None:
+        return None
+    with store.open(digest) as f:
+        head = f.read(272)  # the longest possible frame header
+    name, _, _ = parse_frame(head)
+    return BlobRecord(digest, size, info.stored_size, name)
+
+
 class _Uploader:
     def __init__(self, store: BlobStore, codec: Codec) -> None:
         self.store = store
@@ -62,18 +73,16 @@ class _Uploader:
     def put(self, digest: Digest, data: Buffer) -> tuple[BlobRecord, bool]:
         """Store `data` under `digest` unless present; returns its record and whether stored."""
         size = memoryview(data).nbytes
-        info = self.store.stat(digest)
-        if info is None:
+        if not self.store.exists(digest):
             parts = frame(self.codec, data)
             stored = sum(memoryview(p).nbytes for p in parts)
             if self.store.put(digest, parts):
                 return BlobRecord(digest, size, stored, self.codec.name), True
         # Already there (or a racing writer won): describe what is actually stored.
-        with self.store.open(digest) as f:
-            head = f.read(272)
-        name, _, _ = parse_frame(head)
-        info = self.store.stat(digest)
-        return BlobRecord(digest, size, info.stored_size if info else 0, name), False
+        record = existing_record(self.store, digest, size)
+        if record is None:
+            raise IntegrityError(f"blob {digest} vanished from {self.store.url} during the push")
+        return record, False
 
 
 def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,

@@ -14,6 +14,7 @@ from registry.catalog.records import BlobRecord
 from registry.codec import parse_frame
 from registry.manifest import BlobRef, Manifest
 from registry.pull import verify_stored
+from registry.push import existing_record
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,11 +27,9 @@ class CopyStats:
 def copy_blobs(manifest: Manifest, src: BlobStore, dst: BlobStore, *,
                workers: int = 4) -> CopyStats:
     def one(ref: BlobRef) -> tuple[BlobRecord, int]:
-        info = dst.stat(ref.digest)
-        if info is not None:
-            with dst.open(ref.digest) as f:
-                name, _, _ = parse_frame(f.read(272))
-            return BlobRecord(ref.digest, ref.size, info.stored_size, name), 0
+        existing = existing_record(dst, ref.digest, ref.size)
+        if existing is not None:
+            return existing, 0
         stored = src.get(ref.digest)
         verify_stored(ref, stored, src.url)
         name, _, _ = parse_frame(stored)
