@@ -12,7 +12,7 @@ from cli.errors import run_guarded
 from cli.output import emit_json, emit_table, err, human_bytes, progress_bar
 from registry import __version__
 from registry.client import Registry
-from registry.codec import codec_names
+from registry.codec import DEFAULT_CODEC, push_codec_names
 from registry.config import Config
 from registry.errors import IntegrityError, UsageError
 from registry.push import PushOptions
@@ -75,7 +75,8 @@ def cli(ctx: click.Context, home: Path | None, catalog_url: str | None, blob_url
 @click.argument("ref")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Repeatable.")
 @click.option("--chunk-tokens", type=click.IntRange(1), default=256, show_default=True)
-@click.option("--codec", type=click.Choice(codec_names()), default="zstd", show_default=True)
+@click.option("--codec", type=click.Choice(push_codec_names()), default=DEFAULT_CODEC,
+              show_default=True, help="auto: byte planes for float tensors, zstd otherwise.")
 @click.option("--level", type=int, default=None, help="Codec level (zstd: -7..22, default 1).")
 @click.option("--parent", "parents", multiple=True, metavar="REF",
               help="An artifact this one derives from (repeatable).")

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import zstandard
 
+from registry import bytegroup
 from registry.digest import Buffer
 from registry.errors import IntegrityError, UnknownCodec, UsageError
 
@@ -95,8 +96,14 @@ CodecFactory = Callable[[int | None], Codec]
 _CODECS: dict[str, CodecFactory] = {
     "raw": lambda level: RawCodec(),
     "zstd": lambda level: ZstdCodec(1 if level is None else level),
+    bytegroup.NAME: lambda level: bytegroup.ByteGroupCodec(level),
 }
-DEFAULT_CODEC = "zstd"
+# Not a codec: a push-time policy that picks one per blob, so it never names a stored blob.
+AUTO = "auto"
+DEFAULT_CODEC = AUTO
+# Payload dtypes for which byte planes beat plain zstd (benchmarks/codec.py measures this).
+BYTEGROUP_DTYPES = frozenset({"BF16", "F16", "F32"})
+Selector = Callable[[Buffer], Codec]
 
 
 def register(name: str, factory: CodecFactory) -> None:
@@ -107,6 +114,25 @@ def register(name: str, factory: CodecFactory) -> None:
 
 def codec_names() -> list[str]:
     return sorted(_CODECS)
+
+
+def push_codec_names() -> list[str]:
+    """What `push --codec` accepts: every codec plus the per-blob policy `auto`."""
+    return [AUTO, *codec_names()]
+
+
+def best_codec_name(data: Buffer) -> str:
+    """The codec that stores this payload best: byte planes for float tensors, else zstd."""
+    return bytegroup.NAME if bytegroup.payload_dtypes(data) & BYTEGROUP_DTYPES else "zstd"
+
+
+def codec_selector(name: str, level: int | None = None) -> Selector:
+    """The codec to encode each blob with: fixed for a codec name, per blob for `auto`."""
+    if name != AUTO:
+        codec = get_codec(name, level)
+        return lambda data: codec
+    codecs = {n: get_codec(n, level) for n in (bytegroup.NAME, "zstd")}
+    return lambda data: codecs[best_codec_name(data)]
 
 
 def get_codec(name: str, level: int | None = None) -> Codec:

@@ -18,7 +18,7 @@ from pathlib import Path
 from registry.blobstore.base import BlobStore
 from registry.catalog.records import BlobRecord
 from registry.chunks import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkPlan, gather, plan_chunks
-from registry.codec import DEFAULT_CODEC, Codec, frame, get_codec, parse_frame
+from registry.codec import DEFAULT_CODEC, Selector, codec_selector, frame, parse_frame
 from registry.digest import Buffer, Digest
 from registry.errors import IntegrityError, UsageError
 from registry.kvfile import KVLayout, hash_file, read_layout
@@ -66,18 +66,19 @@ def existing_record(store: BlobStore, digest: Digest, size: int) -> BlobRecord |
 
 
 class _Uploader:
-    def __init__(self, store: BlobStore, codec: Codec) -> None:
+    def __init__(self, store: BlobStore, select: Selector) -> None:
         self.store = store
-        self.codec = codec
+        self.select = select  # the codec for each blob: the catalog row names the one used
 
     def put(self, digest: Digest, data: Buffer) -> tuple[BlobRecord, bool]:
         """Store `data` under `digest` unless present; returns its record and whether stored."""
         size = memoryview(data).nbytes
         if not self.store.exists(digest):
-            parts = frame(self.codec, data)
+            codec = self.select(data)
+            parts = frame(codec, data)
             stored = sum(memoryview(p).nbytes for p in parts)
             if self.store.put(digest, parts):
-                return BlobRecord(digest, size, stored, self.codec.name), True
+                return BlobRecord(digest, size, stored, codec.name), True
         # Already there (or a racing writer won): describe what is actually stored.
         record = existing_record(self.store, digest, size)
         if record is None:
@@ -89,7 +90,7 @@ def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,
                    progress: Progress | None = None) -> Upload:
     layout = read_layout(path)
     plans = plan_chunks(layout, options.chunk_tokens)
-    uploader = _Uploader(store, get_codec(options.codec, options.level))
+    uploader = _Uploader(store, codec_selector(options.codec, options.level))
     fd = os.open(path, os.O_RDONLY)
     try:
         header = os.pread(fd, layout.header_size, 0)
