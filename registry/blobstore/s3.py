@@ -1,0 +1,545 @@
+"""`s3://bucket/prefix`: blobs as objects `<prefix>/sha256/ab/cdef…` in an S3-compatible bucket.
+
+Puts are conditional creates (`If-None-Match: *`), so the first writer of a digest wins and
+a racing writer gets 412 instead of overwriting; a multipart object only becomes visible
+when CompleteMultipartUpload (conditional too) succeeds, so no reader sees a partial blob.
+s3transfer's managed uploads do not pass `IfNoneMatch` through, hence the multipart upload
+here. Settings come from the standard boto3 places (credentials, region, AWS_ENDPOINT_URL_S3,
+AWS_ENDPOINT_URL) and a few KVGRAFT_S3_* variables, read when a store is opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Literal, NoReturn, TypeVar, cast
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from registry.blobstore.base import BlobInfo, blob_path
+from registry.digest import Buffer, Digest
+from registry.errors import NotFound, Unavailable, UsageError
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef
+
+MiB = 1 << 20
+T = TypeVar("T")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_HEX = re.compile(r"[0-9a-f]+")
+Addressing = Literal["path", "virtual", "auto"]
+RetryMode = Literal["legacy", "standard", "adaptive"]
+_ADDRESSING: tuple[Addressing, ...] = ("path", "virtual", "auto")
+_RETRY_MODES: tuple[RetryMode, ...] = ("legacy", "standard", "adaptive")
+_MISSING = ("404", "NoSuchKey", "NotFound")
+_DENIED = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+           "InvalidToken", "ExpiredToken", "AllAccessDisabled")
+_RACE_LOST = ("412", "PreconditionFailed")
+# AWS answers 409 when a conditional write overlaps another one in flight; asking again
+# settles it (the retry gets 412 once the other write completed).
+_RACE_PENDING = ("409", "ConditionalRequestConflict")
+_NETWORK = (botocore.exceptions.EndpointConnectionError,
+            botocore.exceptions.ConnectionClosedError,
+            botocore.exceptions.ConnectTimeoutError,
+            botocore.exceptions.ReadTimeoutError,
+            botocore.exceptions.ProxyConnectionError)
+
+
+def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 1) -> int:
+    raw = env.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UsageError(f"{name} must be an integer, got {raw!r}") from None
+    if value < minimum:
+        raise UsageError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class S3Settings:
+    """How the store talks to S3; `from_env` documents each variable."""
+
+    endpoint_url: str | None = None  # None: boto3's own resolution (AWS_ENDPOINT_URL_S3, …)
+    addressing: Addressing = "auto"
+    max_attempts: int = 5  # including the first try
+    retry_mode: RetryMode = "standard"
+    multipart_threshold: int = 16 * MiB
+    part_size: int = 8 * MiB
+    concurrency: int = 8  # parts in flight for one large blob
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    # Readers hash every blob against its SHA-256 key, so validating the server's CRC on
+    # each GET only repeats that check; uploads keep botocore's checksums (the server
+    # verifies them, catching corruption in transit before it is stored for good).
+    response_checksum_validation: Literal["when_supported", "when_required"] = "when_required"
+
+    def __post_init__(self) -> None:
+        if self.addressing not in _ADDRESSING:
+            raise UsageError(f"S3 addressing must be one of {', '.join(_ADDRESSING)}, "
+                             f"got {self.addressing!r}")
+        if self.response_checksum_validation not in ("when_supported", "when_required"):
+            raise UsageError("AWS_RESPONSE_CHECKSUM_VALIDATION must be when_supported or "
+                             f"when_required, got {self.response_checksum_validation!r}")
+        if self.retry_mode not in _RETRY_MODES:
+            raise UsageError(f"the S3 retry mode must be one of {', '.join(_RETRY_MODES)}, "
+                             f"got {self.retry_mode!r}")
+        if self.part_size < 5 * MiB:
+            raise UsageError("S3 multipart parts must be at least 5 MiB")
+        if self.multipart_threshold < self.part_size:
+            raise UsageError("the S3 multipart threshold must be at least one part")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> S3Settings:
+        """KVGRAFT_S3_ENDPOINT_URL (wins over AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, which
+        boto3 reads itself), KVGRAFT_S3_ADDRESSING=path|virtual|auto (default path when an
+        endpoint is configured: S3-compatible servers rarely have wildcard DNS),
+        AWS_MAX_ATTEMPTS / AWS_RETRY_MODE (botocore's names), KVGRAFT_S3_MULTIPART_MIB,
+        KVGRAFT_S3_PART_MIB, KVGRAFT_S3_CONCURRENCY, AWS_RESPONSE_CHECKSUM_VALIDATION."""
+        env = os.environ if env is None else env
+        endpoint = env.get("KVGRAFT_S3_ENDPOINT_URL") or None
+        custom = bool(endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
+        part = _int(env, "KVGRAFT_S3_PART_MIB", 8, 5) * MiB
+        return cls(
+            endpoint_url=endpoint,
+            # Validated in __post_init__, which names the variable's allowed values.
+            addressing=cast(Addressing, env.get("KVGRAFT_S3_ADDRESSING")
+                            or ("path" if custom else "auto")),
+            max_attempts=_int(env, "AWS_MAX_ATTEMPTS", 5),
+            retry_mode=cast(RetryMode, env.get("AWS_RETRY_MODE") or "standard"),
+            multipart_threshold=max(_int(env, "KVGRAFT_S3_MULTIPART_MIB", 16, 5) * MiB, part),
+            part_size=part,
+            concurrency=_int(env, "KVGRAFT_S3_CONCURRENCY", 8),
+            response_checksum_validation=cast(
+                Literal["when_supported", "when_required"],
+                env.get("AWS_RESPONSE_CHECKSUM_VALIDATION") or "when_required"),
+        )
+
+    def botocore_config(self) -> botocore.config.Config:
+        return botocore.config.Config(
+            s3={"addressing_style": self.addressing},
+            retries={"mode": self.retry_mode, "total_max_attempts": self.max_attempts},
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            response_checksum_validation=self.response_checksum_validation,
+            # Part uploads of one blob plus the callers' own worker threads share the pool.
+            max_pool_connections=max(16, 2 * self.concurrency),
+        )
+
+
+class _PartsReader(io.RawIOBase):
+    """A seekable reader over a sequence of buffers, so an upload streams them without
+    joining them into one copy (botocore rewinds it to retry or to checksum)."""
+
+    def __init__(self, parts: Sequence[Buffer]) -> None:
+        self._parts = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+        self._size = sum(p.nbytes for p in self._parts)
+        self._pos = 0
+        self._index = 0  # the part holding _pos
+        self._offset = 0  # _pos within that part
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = min(max(base + offset, 0), self._size)
+        self._index, self._offset, rest = 0, 0, self._pos
+        while self._index < len(self._parts) and rest >= self._parts[self._index].nbytes:
+            rest -= self._parts[self._index].nbytes
+            self._index += 1
+        self._offset = rest
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        done = 0
+        while done < out.nbytes and self._index < len(self._parts):
+            part = self._parts[self._index]
+            n = min(out.nbytes - done, part.nbytes - self._offset)
+            out[done:done + n] = part[self._offset:self._offset + n]
+            done += n
+            self._offset += n
+            if self._offset == part.nbytes:
+                self._index, self._offset = self._index + 1, 0
+        self._pos += done
+        return done
+
+
+def _slices(parts: Sequence[Buffer], start: int, end: int) -> list[memoryview]:
+    """Views of bytes [start, end) of the concatenation of `parts` (no copy)."""
+    out: list[memoryview] = []
+    pos = 0
+    for p in parts:
+        view = memoryview(p).cast("B")
+        lo, hi = max(start - pos, 0), min(end - pos, view.nbytes)
+        if lo < hi:
+            out.append(view[lo:hi])
+        pos += view.nbytes
+    return out
+
+
+class _BodyReader(io.RawIOBase):
+    """A raw reader over a botocore streaming body, so callers get a real BinaryIO."""
+
+    def __init__(self, body: Any, fail: Callable[[Exception], NoReturn]) -> None:
+        self._body = body
+        self._fail = fail
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        try:
+            data = self._body.read(out.nbytes)
+        except (botocore.exceptions.BotoCoreError, OSError) as e:
+            self._fail(e)
+        out[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._body.close()
+        super().close()
+
+
+class S3BlobStore:
+    def __init__(self, bucket: str, prefix: str = "", *,
+                 settings: S3Settings | None = None) -> None:
+        if not _BUCKET.fullmatch(bucket) or ".." in bucket:
+            raise UsageError(f"not a valid S3 bucket name: {bucket!r}")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.settings = settings or S3Settings.from_env()
+        # One session per store: boto3's default session is not safe to share across threads
+        # while clients are created; the client itself is thread-safe.
+        session = boto3.session.Session()
+        try:
+            self.client: S3Client = session.client(
+                "s3", endpoint_url=self.settings.endpoint_url,
+                config=self.settings.botocore_config())
+        except (botocore.exceptions.BotoCoreError, ValueError) as e:
+            raise Unavailable(f"cannot set up an S3 client for {self.url}: {e}",
+                              hint="check KVGRAFT_S3_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 "
+                                   "and AWS_DEFAULT_REGION") from None
+        self.endpoint = self.client.meta.endpoint_url
+        self._checked = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str) -> S3BlobStore:
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise UsageError(f"not an s3://bucket/prefix URL: {url!r}")
+        if parts.query or parts.fragment:
+            raise UsageError(f"s3 URLs take no query or fragment: {url!r}")
+        return cls(parts.netloc, parts.path)
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def _key(self, digest: Digest) -> str:
+        path = blob_path(digest)
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    # --- errors ------------------------------------------------------------------------
+
+    def _fail(self, e: Exception, action: str) -> NoReturn:
+        where = f"bucket {self.bucket!r} at {self.endpoint}"
+        if isinstance(e, botocore.exceptions.ClientError):
+            code = _code(e)
+            if code == "NoSuchBucket":
+                raise Unavailable(f"S3 {where} does not exist",
+                                  hint="create the bucket or fix KVGRAFT_BLOB_URL") from None
+            if code in _DENIED:
+                raise Unavailable(
+                    f"S3 {where} refused to {action} ({code})",
+                    hint="check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) "
+                         "and the bucket policy") from None
+            message = e.response.get("Error", {}).get("Message", "")
+            raise Unavailable(f"S3 {where} failed to {action}: {code} {message}".rstrip(),
+                              hint="retry later; see KVGRAFT_DEBUG=1 for details") from None
+        if isinstance(e, botocore.exceptions.NoCredentialsError
+                      | botocore.exceptions.PartialCredentialsError):
+            raise Unavailable(f"no S3 credentials for {where}",
+                              hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                                   "or AWS_PROFILE") from None
+        if isinstance(e, _NETWORK):
+            raise Unavailable(f"cannot reach S3 {where} to {action}: {e}",
+                              hint="check the endpoint (KVGRAFT_S3_ENDPOINT_URL or "
+                                   "AWS_ENDPOINT_URL_S3) and that the server is up") from None
+        raise Unavailable(f"S3 {where} failed to {action}: {e}") from None
+
+    def _call(self, action: str, fn: Callable[[], T]) -> T:
+        self._check_bucket()
+        try:
+            return fn()
+        except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+            self._fail(e, action)
+
+    def _check_bucket(self) -> None:
+        """Once per store: a missing bucket is named as such instead of surfacing later as
+        "blob not found" (head_object cannot tell the two apart, and some servers create
+        buckets on the first put)."""
+        if self._checked:
+            return
+        with self._lock:
+            if self._checked:
+                return
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except botocore.exceptions.ClientError as e:
+                if _code(e) in _MISSING:
+                    self._fail(_no_such_bucket(e), "open the bucket")
+                # A policy may allow object access without ListBucket: let the object
+                # calls themselves say whether access is really denied.
+                if _code(e) not in _DENIED:
+                    self._fail(e, "open the bucket")
+            except botocore.exceptions.BotoCoreError as e:
+                self._fail(e, "open the bucket")
+            self._checked = True
+
+    # --- reads -------------------------------------------------------------------------
+
+    def stat(self, digest: Digest) -> BlobInfo | None:
+        self._check_bucket()
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self._key(digest))
+        except botocore.exceptions.ClientError as e:
+            if _code(e) in _MISSING:
+                return None
+            self._fail(e, f"stat blob {digest}")
+        except botocore.exceptions.BotoCoreError as e:
+            self._fail(e, f"stat blob {digest}")
+        return BlobInfo(digest, head["ContentLength"], head["LastModified"].timestamp())
+
+    def exists(self, digest: Digest) -> bool:
+        return self.stat(digest) is not None
+
+    def _get_object(self, digest: Digest, **kw: Any) -> Any:
+        self._check_bucket()
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=self._key(digest), **kw)
+        except botocore.exceptions.ClientError as e:
+            if _code(e) in _MISSING:
+                raise NotFound(f"blob {digest} is not in {self.url}") from None
+            self._fail(e, f"read blob {digest}")
+        except botocore.exceptions.BotoCoreError as e:
+            self._fail(e, f"read blob {digest}")
+
+    def open(self, digest: Digest) -> BinaryIO:
+        response = self._get_object(digest)
+        raw = _BodyReader(response["Body"], lambda e: self._fail(e, f"read blob {digest}"))
+        return cast(BinaryIO, io.BufferedReader(raw, buffer_size=256 << 10))
+
+    def get(self, digest: Digest) -> bytes:
+        """The whole blob; a large one is fetched as parallel ranged GETs after the first part."""
+        response = self._get_object(digest)
+        size: int = response["ContentLength"]
+        part = self.settings.part_size
+        if size < self.settings.multipart_threshold:
+            try:
+                # One read of a known length: a single allocation, no chunk joining.
+                data: bytes = response["Body"].read()
+            except (botocore.exceptions.BotoCoreError, OSError) as e:
+                self._fail(e, f"read blob {digest}")
+            return data
+        body = _BodyReader(response["Body"], lambda e: self._fail(e, f"read blob {digest}"))
+        out = bytearray(size)
+        view = memoryview(out)
+        etag = response.get("ETag") or None
+
+        def fetch_range(start: int) -> None:
+            end = min(start + part, size)
+            kw: dict[str, Any] = {"Range": f"bytes={start}-{end - 1}"}
+            if etag:
+                kw["IfMatch"] = etag  # the parts must come from one object version
+            r = self._get_object(digest, **kw)
+            _read_exactly(_BodyReader(r["Body"], lambda e: self._fail(e, f"read {digest}")),
+                          view[start:end], f"blob {digest} in {self.url}")
+
+        starts = range(part, size, part)
+        with ThreadPoolExecutor(min(self.settings.concurrency, len(starts)),
+                                thread_name_prefix="kvgraft-s3-get") as pool:
+            futures = [pool.submit(fetch_range, s) for s in starts]
+            with body:
+                _read_exactly(body, view[:part], f"blob {digest} in {self.url}")
+            for f in futures:
+                f.result()
+        # One copy, for the rare blob above the multipart threshold: the protocol hands out
+        # immutable bytes.
+        return bytes(out)
+
+    def iter(self) -> Iterator[BlobInfo]:
+        base = f"{self.prefix}/sha256/" if self.prefix else "sha256/"
+        self._check_bucket()
+        pages = iter(self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=base))
+        while True:
+            try:
+                page = next(pages)
+            except StopIteration:
+                return
+            except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as e:
+                self._fail(e, "list blobs")
+            for obj in page.get("Contents", []):
+                fan, _, rest = obj["Key"][len(base):].partition("/")
+                name = fan + rest
+                # Anything else under the prefix (an operator's file, a stray key) is not ours.
+                if len(fan) != 2 or "/" in rest or len(name) != 64 or not _HEX.fullmatch(name):
+                    continue
+                yield BlobInfo(Digest(name), obj["Size"], obj["LastModified"].timestamp())
+
+    # --- writes ------------------------------------------------------------------------
+
+    def put(self, digest: Digest, parts: Sequence[Buffer]) -> bool:
+        size = sum(memoryview(p).nbytes for p in parts)
+        upload = self._put_single if size < self.settings.multipart_threshold \
+            else self._put_multipart
+        for _ in range(3):
+            try:
+                self._call(f"store blob {digest}", lambda: upload(digest, parts, size))
+                return True
+            except _RaceLost:
+                # Another writer stored this digest first. Its bytes may differ from ours
+                # (another codec or level won) and are verified by every reader, so what
+                # matters is that a whole object is there.
+                if self.stat(digest) is not None:
+                    return False
+            except _RacePending:
+                continue
+        raise Unavailable(f"S3 bucket {self.bucket!r} at {self.endpoint} kept refusing to "
+                          f"store blob {digest} (concurrent writes)", hint="retry the push")
+
+    def _put_single(self, digest: Digest, parts: Sequence[Buffer], size: int) -> None:
+        with _race_errors():
+            self.client.put_object(Bucket=self.bucket, Key=self._key(digest),
+                                   Body=cast(IO[bytes], _PartsReader(parts)), ContentLength=size,
+                                   IfNoneMatch="*")
+
+    def _put_multipart(self, digest: Digest, parts: Sequence[Buffer], size: int) -> None:
+        key = self._key(digest)
+        upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        step = self.settings.part_size
+        # The last part absorbs a short remainder (every part but the last must be ≥ 5 MiB).
+        bounds = [(s, min(s + step, size)) for s in range(0, size, step)]
+        if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < step:
+            bounds[-2:] = [(bounds[-2][0], size)]
+
+        def one(number: int, start: int, end: int) -> CompletedPartTypeDef:
+            r = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                        PartNumber=number,
+                                        Body=cast(IO[bytes],
+                                                  _PartsReader(_slices(parts, start, end))),
+                                        ContentLength=end - start)
+            return {"PartNumber": number, "ETag": r["ETag"]}
+
+        try:
+            with ThreadPoolExecutor(min(self.settings.concurrency, len(bounds)),
+                                    thread_name_prefix="kvgraft-s3-put") as pool:
+                futures = [pool.submit(one, i + 1, s, e) for i, (s, e) in enumerate(bounds)]
+                done = [f.result() for f in futures]
+            # Some servers (SeaweedFS 4.x) check If-None-Match on completion without
+            # serialising concurrent completions, so a writer that finished first is
+            # looked for here and again below; on AWS the condition alone suffices.
+            if self._present(key):
+                raise _RaceLost
+            with _race_errors():
+                etag = self.client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id,
+                    MultipartUpload={"Parts": done}, IfNoneMatch="*").get("ETag")
+        except BaseException:
+            # Uploaded parts are invisible but billed until aborted.
+            # If even the abort fails, a lifecycle rule for incomplete uploads cleans up.
+            with contextlib.suppress(botocore.exceptions.BotoCoreError,
+                                     botocore.exceptions.ClientError):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key,
+                                                   UploadId=upload_id)
+            raise
+        # A later completion may have replaced ours with another writer's (whole) object:
+        # then the stored blob is theirs. Ceph returns no ETag on completion: nothing to
+        # compare.
+        stored = self.client.head_object(Bucket=self.bucket, Key=key).get("ETag")
+        if etag and stored and etag != stored:
+            raise _RaceLost
+
+    def _present(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=key)
+        except botocore.exceptions.ClientError as e:
+            if _code(e) in _MISSING:
+                return False
+            raise
+        return True
+
+    def delete(self, digest: Digest) -> bool:
+        # DeleteObject succeeds whether or not the key exists, so ask first.
+        if self.stat(digest) is None:
+            return False
+        self._call(f"delete blob {digest}", lambda: self.client.delete_object(
+            Bucket=self.bucket, Key=self._key(digest)))
+        return True
+
+
+class _RaceLost(Exception):
+    """A conditional create found the key present."""
+
+
+class _RacePending(Exception):
+    """A conditional create overlapped another write of the same key."""
+
+
+@contextlib.contextmanager
+def _race_errors() -> Iterator[None]:
+    """Turn a conditional create's refusal into the race outcome put() acts on."""
+    try:
+        yield
+    except botocore.exceptions.ClientError as e:
+        if _code(e) in _RACE_LOST:
+            raise _RaceLost from None
+        if _code(e) in _RACE_PENDING:
+            raise _RacePending from None
+        raise
+
+
+def _code(e: botocore.exceptions.ClientError) -> str:
+    return str(e.response.get("Error", {}).get("Code", ""))
+
+
+def _no_such_bucket(e: botocore.exceptions.ClientError) -> botocore.exceptions.ClientError:
+    """head_bucket's 404 carries no body; give it the code a GET would have had."""
+    return botocore.exceptions.ClientError({"Error": {"Code": "NoSuchBucket"}},
+                                           e.operation_name)
+
+
+def _read_exactly(reader: io.RawIOBase, out: memoryview, what: str) -> None:
+    done = 0
+    while done < out.nbytes:
+        n = reader.readinto(out[done:])
+        if not n:
+            raise Unavailable(f"{what}: the server sent {done} of {out.nbytes} bytes",
+                              hint="retry; the connection was cut")
+        done += n
