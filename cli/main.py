@@ -109,15 +109,21 @@ def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chun
 @click.argument("ref")
 @click.option("--output", "-o", type=click.Path(path_type=Path, dir_okay=False),
               help="Write the original KV file here.")
+@click.option("--require-signed-by", "signed_by", multiple=True, metavar="KEYID",
+              help="Refuse unless signed by this trusted key (repeatable: any one of them).")
+@click.option("--require-verified", is_flag=True,
+              help="Refuse unless a fidelity check on the graft's model passed.")
 @json_option
 @click.pass_context
-def pull(ctx: click.Context, ref: str, output: Path | None, as_json: bool) -> None:
+def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str, ...],
+         require_verified: bool, as_json: bool) -> None:
     """Pull REF into the local cache, verifying every byte; --output rebuilds the file."""
     reg = _registry(ctx)
     reference = _ref(ref)
     total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:
-        result = reg.pull(reference, output, progress=advance)
+        result = reg.pull(reference, output, progress=advance, require_signed_by=signed_by,
+                          require_verified=require_verified)
     s = result.stats
     if as_json:
         emit_json({"digest": str(result.digest), "reference": str(reference),
@@ -271,3 +277,9 @@ def _register() -> None:
 
 
 _register()
+
+for _command in __import__("cli.graft", fromlist=["COMMANDS"]).COMMANDS:
+    cli.add_command(_command)
+
+for _command in __import__("cli.audit", fromlist=["COMMANDS"]).COMMANDS:
+    cli.add_command(_command)

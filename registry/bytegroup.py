@@ -15,6 +15,11 @@ Body: `u8 version | u32 segment count | segments | plane data`; a segment is
 `u8 width | u8 rotated | u64 length | width x (u8 method | u64 stored length)` and covers the
 next `length` decoded bytes. Decoding checks every length against the declared size before it
 allocates anything and never writes past it.
+
+Speed: push and pull run this on every chunk on all cores, so both directions are a handful
+of whole-array numpy operations and one zstd call per compressed plane, each of which drops
+the GIL, and write into one output buffer (planes are built where the body stores them, zstd
+writes into its place); nothing is joined or copied again afterwards.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ RAW, ZSTD = 0, 1
 # it raw makes both directions a memcpy.
 RAW_ENTROPY = 7.8
 SAMPLE = 1 << 14
+TRY_BELOW = 1 << 16
 MAX_HINT_HEADER = 64 * 1024 * 1024
 
 _HEAD = struct.Struct("<BI")
@@ -57,15 +63,24 @@ _PLANE = struct.Struct("<BQ")
 U8Array = npt.NDArray[np.uint8]
 
 
+# Exponent planes have few matches of 7+ bytes and are mostly Huffman-coded literals. A tiny
+# hash table finds what matches there are at a fraction of level 1's search cost, and a 16 KiB
+# window means 16 KiB blocks, whose Huffman tables follow the data more closely than 128 KiB
+# ones (measured on real BF16 KV: exponent plane 335.7 kB with window_log 14 vs 341.7 kB with
+# 17, at the same speed).
+WINDOW_LOG, HASH_LOG, MIN_MATCH = 14, 6, 7
+# Where libzstd's parameters can be set directly: skip ahead this fast when no match is found,
+# and Huffman-code the literals anyway (python-zstandard's public parameters turn literal
+# compression off for any acceleration: ratio ~1.0). 1.3-1.6x faster on exponent planes, as
+# small.
+ACCELERATION = 1 << 16
+
+
 def tuned_parameters() -> zstandard.ZstdCompressionParameters:
-    # Exponent planes have few matches of 7+ bytes and are mostly Huffman-coded literals. A
-    # tiny hash table finds what matches there are at a fraction of level 1's search cost, and
-    # the smaller window means smaller blocks, whose Huffman tables follow the data more
-    # closely (measured on real BF16 KV: ratio 1.462 vs 1.455 with hash_log 10, window_log 17,
-    # and ~1.5x faster). A target_length > 0 would turn off literal compression: ratio ~1.0.
+    """The same tuning through python-zstandard's public API (without the acceleration)."""
     return zstandard.ZstdCompressionParameters(
-        strategy=zstandard.STRATEGY_FAST, min_match=7, hash_log=8, window_log=16,
-        write_content_size=1)
+        strategy=zstandard.STRATEGY_FAST, min_match=MIN_MATCH, hash_log=HASH_LOG,
+        window_log=WINDOW_LOG, write_content_size=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,53 +205,154 @@ class _Scratch(threading.local):
         return arr[:count]
 
 
+# --- zstd into and out of caller buffers -------------------------------------------------
+
+
+class _Zstd:
+    """One thread's zstd contexts through python-zstandard's public API.
+
+    Both directions return or take fresh `bytes`, so each plane costs one extra copy.
+    """
+
+    def __init__(self, level: int | None) -> None:
+        self._cctx = (zstandard.ZstdCompressor(compression_params=tuned_parameters())
+                      if level is None else zstandard.ZstdCompressor(level=level))
+        self._dctx = zstandard.ZstdDecompressor()
+
+    def compress_into(self, src: U8Array, dst: U8Array) -> int | None:
+        """Compress `src` into `dst`; the stored size, or None if it does not fit."""
+        packed: bytes = self._cctx.compress(src.data)
+        if len(packed) > dst.size:
+            return None
+        dst[: len(packed)] = np.frombuffer(packed, np.uint8)
+        return len(packed)
+
+    def decompress_into(self, src: memoryview, dst: U8Array) -> None:
+        """Decode exactly one frame holding exactly dst.size bytes into `dst`."""
+        n = dst.size
+        try:
+            declared = zstandard.get_frame_parameters(src).content_size
+        except zstandard.ZstdError as e:
+            raise IntegrityError(f"corrupt zstd plane: {e}") from None
+        if declared != n:
+            raise IntegrityError(f"zstd plane declares {declared} bytes, expected {n}")
+        try:
+            raw: bytes = self._dctx.decompress(src, max_output_size=n, allow_extra_data=False)
+        except zstandard.ZstdError as e:
+            raise IntegrityError(f"corrupt zstd plane: {e}") from None
+        if len(raw) != n:
+            raise IntegrityError(f"zstd plane decoded to {len(raw)} bytes, expected {n}")
+        dst[:] = np.frombuffer(raw, np.uint8)
+
+
+try:
+    # python-zstandard's cffi binding of libzstd (shipped in its wheels, no public stub): it
+    # lets zstd read and write numpy buffers in place, with the GIL released for each call,
+    # and set the literal-compression mode the public API does not expose.
+    from zstandard import _cffi  # type: ignore[attr-defined,unused-ignore]
+
+    _lib: Any = _cffi.lib
+    _ffi: Any = _cffi.ffi
+    _lib.ZSTD_c_literalCompressionMode  # noqa: B018 (older bindings lack it: use the public API)
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed wheel
+    _lib = _ffi = None
+
+
+class _LibZstd:
+    """One thread's zstd contexts, called directly: no intermediate `bytes` either way."""
+
+    def __init__(self, level: int | None) -> None:
+        self._cctx = _ffi.gc(_lib.ZSTD_createCCtx(), _lib.ZSTD_freeCCtx)
+        self._dctx = _ffi.gc(_lib.ZSTD_createDCtx(), _lib.ZSTD_freeDCtx)
+        if level is None:
+            params = {
+                "strategy": _lib.ZSTD_fast, "windowLog": WINDOW_LOG, "hashLog": HASH_LOG,
+                "minMatch": MIN_MATCH, "targetLength": ACCELERATION,
+                "literalCompressionMode": 1,  # ZSTD_ps_enable
+            }  # fmt: skip
+        else:
+            params = {"compressionLevel": level}
+        for name, value in {**params, "contentSizeFlag": 1, "checksumFlag": 0}.items():
+            self._check(_lib.ZSTD_CCtx_setParameter(self._cctx, getattr(_lib, "ZSTD_c_" + name),
+                                                    value))
+
+    @staticmethod
+    def _check(code: int) -> int:
+        if _lib.ZSTD_isError(code):
+            name = _ffi.string(_lib.ZSTD_getErrorName(code)).decode()
+            raise zstandard.ZstdError(f"zstd: {name}")
+        return code
+
+    def compress_into(self, src: U8Array, dst: U8Array) -> int | None:
+        code: int = _lib.ZSTD_compress2(self._cctx, _ffi.from_buffer(dst), dst.size,
+                                        _ffi.from_buffer(src), src.size)
+        if _lib.ZSTD_isError(code):
+            if _lib.ZSTD_getErrorCode(code) == _lib.ZSTD_error_dstSize_tooSmall:
+                return None
+            self._check(code)
+        return code
+
+    def decompress_into(self, src: memoryview, dst: U8Array) -> None:
+        n = dst.size
+        source = _ffi.from_buffer(src)
+        declared = _lib.ZSTD_getFrameContentSize(source, src.nbytes)
+        if declared >= _lib.ZSTD_CONTENTSIZE_ERROR:  # no frame, or no size in it
+            raise IntegrityError("corrupt zstd plane: no frame with a content size")
+        if declared != n:
+            raise IntegrityError(f"zstd plane declares {declared} bytes, expected {n}")
+        if _lib.ZSTD_findFrameCompressedSize(source, src.nbytes) != src.nbytes:
+            # A second frame after the first, or a frame cut short.
+            raise IntegrityError("corrupt zstd plane: not exactly one frame")
+        code = _lib.ZSTD_decompressDCtx(self._dctx, _ffi.from_buffer(dst), n, source,
+                                        src.nbytes)
+        if _lib.ZSTD_isError(code):
+            name = _ffi.string(_lib.ZSTD_getErrorName(code)).decode()
+            raise IntegrityError(f"corrupt zstd plane: {name}")
+        if code != n:
+            raise IntegrityError(f"zstd plane decoded to {code} bytes, expected {n}")
+
+
+ZstdBackend = _LibZstd | _Zstd
+HAVE_LIBZSTD = _lib is not None
+
+
+# --- planes ------------------------------------------------------------------------------
+
+
 def _uint(width: int) -> np.dtype[Any]:
     return np.dtype(f"<u{width}")
+
+
+def split_plane(values: npt.NDArray[Any], j: int, rotated: bool, out: U8Array,
+                tmp: U8Array) -> None:
+    """Byte j of each value (rotated left one bit first, if `rotated`) into `out`.
+
+    Each step is one ufunc over the whole array, writing bytes directly (the unsafe cast
+    keeps the low byte): no wide temporaries, and the GIL is dropped for each.
+    """
+    bits = values.dtype.itemsize * 8
+    if not rotated:
+        np.right_shift(values, 8 * j, out=out, casting="unsafe")
+    elif j:
+        # The rotation's wrapped bit lands in byte 0 only: byte j is just a shift.
+        np.right_shift(values, 8 * j - 1, out=out, casting="unsafe")
+    else:
+        np.left_shift(values, 1, out=out, casting="unsafe")
+        np.right_shift(values, bits - 1, out=tmp, casting="unsafe")  # the sign, to bit 0
+        np.bitwise_or(out, tmp, out=out)
 
 
 def split_planes(seg: memoryview, width: int, rotated: bool, scratch: _Scratch) -> list[U8Array]:
     """Byte plane j of each `width`-byte little-endian value, in scratch arrays."""
     n = seg.nbytes // width
     values: npt.NDArray[Any] = np.frombuffer(seg, _uint(width), n)
-    if rotated and width == 2:
-        return _split_rotated16(values, scratch)
-    if rotated:
-        # Sign bit to bit 0: the top byte then holds the exponent, unpolluted by the sign.
-        bits = width * 8
-        rot = scratch.get(values.dtype, n, 0)
-        tmp = scratch.get(values.dtype, n, 1)
-        np.left_shift(values, 1, out=rot)
-        np.right_shift(values, bits - 1, out=tmp)
-        np.bitwise_or(rot, tmp, out=rot)
-        values = rot
+    tmp = scratch.get(np.uint8, n, 1)
     planes = []
-    shifted = scratch.get(values.dtype, n, 2)
     for j in range(width):
         plane = scratch.get(np.uint8, n, 10 + j)
-        if j == 0:
-            np.copyto(plane, values, casting="unsafe")  # truncation keeps the low byte
-        else:
-            np.right_shift(values, 8 * j, out=shifted)
-            np.copyto(plane, shifted, casting="unsafe")
+        split_plane(values, j, rotated, plane, tmp)
         planes.append(plane)
     return planes
-
-
-def _split_rotated16(values: npt.NDArray[Any], scratch: _Scratch) -> list[U8Array]:
-    # The hot path (BF16/F16): the exponent plane straight from the values, without the
-    # rotated values; same-type ufuncs only (a mixed-type one goes through a slow cast loop).
-    n = values.size
-    tmp = scratch.get(np.uint16, n, 1)
-    rot = scratch.get(np.uint16, n, 0)
-    low = scratch.get(np.uint8, n, 10)
-    high = scratch.get(np.uint8, n, 11)
-    np.right_shift(values, 7, out=tmp)
-    np.copyto(high, tmp, casting="unsafe")  # exponent: bits 7..14
-    np.right_shift(values, 15, out=tmp)
-    np.left_shift(values, 1, out=rot)
-    np.bitwise_or(rot, tmp, out=rot)
-    np.copyto(low, rot, casting="unsafe")  # mantissa above the sign
-    return [low, high]
 
 
 def merge_planes(planes: list[U8Array], width: int, rotated: bool, out: memoryview,
@@ -245,81 +361,98 @@ def merge_planes(planes: list[U8Array], width: int, rotated: bool, out: memoryvi
     n = out.nbytes // width
     values = np.frombuffer(out, _uint(width), n)
     tmp = scratch.get(values.dtype, n, 1)
+    bits = width * 8
+    # Same-type ufuncs after one widening copy each: a mixed-type ufunc goes through numpy's
+    # buffered cast loop, ~1.5x slower.
     np.copyto(values, planes[0], casting="unsafe")
-    for j in range(1, width):
-        np.left_shift(planes[j], 8 * j, out=tmp, dtype=values.dtype)
-        np.bitwise_or(values, tmp, out=values)
     if rotated:
-        bits = width * 8
-        np.left_shift(values, bits - 1, out=tmp)
+        np.left_shift(values, bits - 1, out=tmp)  # bit 0 of byte 0 is the sign
         np.right_shift(values, 1, out=values)
+        np.bitwise_or(values, tmp, out=values)
+    for j in range(1, width):
+        np.copyto(tmp, planes[j], casting="unsafe")
+        np.left_shift(tmp, 8 * j - int(rotated), out=tmp)
         np.bitwise_or(values, tmp, out=values)
 
 
 class ByteGroupCodec:
-    """Thread-safe: compressors, decompressors and scratch buffers are per thread."""
+    """Thread-safe: zstd contexts and scratch buffers are per thread."""
 
     name = NAME
 
-    def __init__(self, level: int | None = None) -> None:
+    def __init__(self, level: int | None = None, *, libzstd: bool = HAVE_LIBZSTD) -> None:
         if level is not None and not -7 <= level <= 22:
             raise UsageError(f"zstd level must be between -7 and 22, got {level}")
-        self.level = level
+        if libzstd and not HAVE_LIBZSTD:
+            raise UsageError("this zstandard install has no libzstd binding")
+        # Level 1 is zstd's default effort, which push asks for unless told otherwise; on byte
+        # planes the tuned parameters are its equivalent (as small, 2-3x faster on exponent
+        # planes), so only another level means zstd's own parameters on each plane.
+        self.level = None if level == 1 else level
+        self._backend: type[_LibZstd] | type[_Zstd] = _LibZstd if libzstd else _Zstd
         self._local = threading.local()
         self._scratch = _Scratch()
 
-    def _cctx(self) -> zstandard.ZstdCompressor:
-        cctx: zstandard.ZstdCompressor | None = getattr(self._local, "cctx", None)
-        if cctx is None:
-            cctx = self._local.cctx = (
-                zstandard.ZstdCompressor(compression_params=tuned_parameters())
-                if self.level is None else zstandard.ZstdCompressor(level=self.level))
-        return cctx
-
-    def _dctx(self) -> zstandard.ZstdDecompressor:
-        dctx: zstandard.ZstdDecompressor | None = getattr(self._local, "dctx", None)
-        if dctx is None:
-            dctx = self._local.dctx = zstandard.ZstdDecompressor()
-        return dctx
+    def _zstd(self) -> ZstdBackend:
+        z: ZstdBackend | None = getattr(self._local, "zstd", None)
+        if z is None:
+            z = self._local.zstd = self._backend(self.level)
+        return z
 
     # --- encode ----------------------------------------------------------------------
 
     def encode(self, data: Buffer) -> Buffer:
+        """The body, as a view of one fresh buffer that nothing else refers to."""
         view = memoryview(data).cast("B")
         segments = hint_segments(view)
-        descriptors: list[Buffer] = [_HEAD.pack(BODY_VERSION, len(segments))]
-        parts: list[Buffer] = []
-        in_scratch: list[int] = []  # parts that are raw planes still in the scratch arrays
+        at = _HEAD.size + sum(_SEGMENT.size + s.width * _PLANE.size for s in segments)
+        # Every plane is stored raw or smaller, so the body never outgrows this; pages past
+        # what is written are never touched.
+        body = np.empty(at + view.nbytes, np.uint8)
+        descriptors = [_HEAD.pack(BODY_VERSION, len(segments))]
         for seg in segments:
             piece = view[seg.offset : seg.offset + seg.length]
             descriptors.append(_SEGMENT.pack(seg.width, seg.rotated, seg.length))
-            planes: list[U8Array | memoryview] = [piece]
-            if seg.width > 1:
-                for i in in_scratch:  # the split below reuses the arrays they live in
-                    parts[i] = bytes(parts[i])
-                in_scratch.clear()
-                planes = list(split_planes(piece, seg.width, seg.rotated, self._scratch))
-            for plane in planes:
-                method, stored = self._encode_plane(plane)
-                descriptors.append(_PLANE.pack(method, memoryview(stored).nbytes))
-                if method == RAW and seg.width > 1:
-                    in_scratch.append(len(parts))
-                parts.append(stored)
-        # One copy into the body: scratch planes are reused by this thread's next chunk.
-        return b"".join(descriptors + parts)
+            if seg.width == 1:
+                method, stored = self._store(np.frombuffer(piece, np.uint8), body, at, False)
+                descriptors.append(_PLANE.pack(method, stored))
+                at += stored
+                continue
+            n = seg.length // seg.width
+            values = np.frombuffer(piece, _uint(seg.width), n)
+            tmp = self._scratch.get(np.uint8, n, 1)
+            for j in range(seg.width):
+                # Built where the body keeps it raw: a plane that stays raw is never copied.
+                plane = body[at : at + n]
+                split_plane(values, j, seg.rotated, plane, tmp)
+                method, stored = self._store(plane, body, at, True)
+                descriptors.append(_PLANE.pack(method, stored))
+                at += stored
+        head = b"".join(descriptors)
+        body[: len(head)] = np.frombuffer(head, np.uint8)
+        return body.data[:at]
 
-    def _encode_plane(self, plane: U8Array | memoryview) -> tuple[int, Buffer]:
-        if isinstance(plane, memoryview):
-            arr, raw = np.frombuffer(plane, np.uint8), plane
-        else:
-            arr, raw = plane, plane.data
-        if sampled_entropy(arr) > RAW_ENTROPY:
-            return RAW, raw
-        packed: bytes = self._cctx().compress(raw)
-        if len(packed) > arr.size - (arr.size >> 6):
-            # Saving under 1/64 is not worth a decompression on every read.
-            return RAW, raw
-        return ZSTD, packed
+    def _store(self, plane: U8Array, body: U8Array, at: int, in_place: bool
+               ) -> tuple[int, int]:
+        """Put `plane` at body[at:], compressed if that pays; (method, stored bytes).
+
+        `in_place`: the plane already lies at body[at:] (then storing it raw costs nothing).
+        """
+        n = plane.size
+        # A small plane (a chunk's header) costs less to try than to sample.
+        if n < TRY_BELOW or sampled_entropy(plane) <= RAW_ENTROPY:
+            # Saving under 1/64 is not worth a decompression on every read: a frame that
+            # does not fit in that much is not kept.
+            room = n - (n >> 6)
+            dst = self._scratch.get(np.uint8, room, 2) if in_place else body[at : at + room]
+            stored = self._zstd().compress_into(plane, dst)
+            if stored is not None:
+                if in_place:
+                    body[at : at + stored] = dst[:stored]
+                return ZSTD, stored
+        if not in_place:
+            body[at : at + n] = plane
+        return RAW, n
 
     # --- decode ----------------------------------------------------------------------
 
@@ -333,33 +466,27 @@ class ByteGroupCodec:
         size = out.nbytes
         layout = list(_parse_body(memoryview(body).cast("B"), size))
         pos = 0
+        zstd = self._zstd()
         for width, rotated, length, planes in layout:
             target = out[pos : pos + length]
-            n = length // width
-            decoded = [self._decode_plane(method, stored, n) for method, stored in planes]
-            if width == 1:
-                target[:] = decoded[0].data
-            else:
-                merge_planes(decoded, width, rotated, target, self._scratch)
             pos += length
-
-    def _decode_plane(self, method: int, stored: memoryview, n: int) -> U8Array:
-        if method == RAW:
-            return np.frombuffer(stored, np.uint8)
-        try:
-            declared = zstandard.get_frame_parameters(stored).content_size
-        except zstandard.ZstdError as e:
-            raise IntegrityError(f"corrupt zstd plane: {e}") from None
-        if declared != n:
-            raise IntegrityError(f"zstd plane declares {declared} bytes, expected {n}")
-        try:
-            raw: bytes = self._dctx().decompress(stored, max_output_size=n,
-                                                 allow_extra_data=False)
-        except zstandard.ZstdError as e:
-            raise IntegrityError(f"corrupt zstd plane: {e}") from None
-        if len(raw) != n:
-            raise IntegrityError(f"zstd plane decoded to {len(raw)} bytes, expected {n}")
-        return np.frombuffer(raw, np.uint8)
+            n = length // width
+            if width == 1:
+                ((method, stored),) = planes
+                if method == RAW:
+                    target[:] = stored
+                else:  # straight into the output
+                    zstd.decompress_into(stored, np.frombuffer(target, np.uint8))
+                continue
+            decoded = []
+            for j, (method, stored) in enumerate(planes):
+                if method == RAW:
+                    decoded.append(np.frombuffer(stored, np.uint8))
+                else:
+                    plane = self._scratch.get(np.uint8, n, 10 + j)
+                    zstd.decompress_into(stored, plane)
+                    decoded.append(plane)
+            merge_planes(decoded, width, rotated, target, self._scratch)
 
 
 def _parse_body(body: memoryview, size: int

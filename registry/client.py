@@ -4,24 +4,32 @@ and cache together and writes an audit event for every change."""
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from registry.blobstore import BlobStore, open_store
 from registry.cache import Cache
 from registry.catalog import ArtifactRecord, Catalog, EventRecord, PushRecord, TagRecord
+from registry.catalog.records import AttestationRecord, BlobRecord
 from registry.config import Config, actor
 from registry.digest import Digest
 from registry.errors import IntegrityError, NotFound, UsageError
+from registry.identity import ModelIdentity
 from registry.manifest import Manifest
 from registry.pull import Fetcher, FetchStats, Progress, export, fetch
 from registry.push import PushOptions, build_artifact
 from registry.reference import Reference, check_name
 from registry.transfer import CopyStats, copy_blobs
 from registry.verify import VerifyReport, verify_artifact
+
+if TYPE_CHECKING:
+    from registry.audit import AuditReport
+    from registry.gc import GcPlan, GcResult
+    from registry.provenance import Keyring, Statement
 
 _LABEL_KEY_MAX = 255
 
@@ -121,6 +129,7 @@ class Registry:
                                     "bytes_stored": upload.stored_bytes})
         outcome = self.catalog.record_push(PushRecord(
             m, upload.blobs, ref.name, ref.tag, labels, event))
+        self._ensure_blobs(m, lambda: build_artifact(path, self.store, options).blobs)
         self.cache.put_manifest(m.digest, m.canonical())
         self.cache.put_ref(ref, m.digest)
         return PushResult(m.digest, ref, outcome.created, upload.stored, upload.stored_bytes,
@@ -172,10 +181,16 @@ class Registry:
         return manifest
 
     def pull(self, ref: Reference | str, output: Path | None = None, *,
-             progress: Progress | None = None, workers: int = 2) -> PullResult:
+             progress: Progress | None = None, workers: int = 2,
+             require_signed_by: Sequence[str] = (),
+             require_verified: bool | ModelIdentity = False) -> PullResult:
+        """`require_signed_by` (keyids or key names, any one) and `require_verified` (True:
+        for the graft's own model; or the live model's identity) add to the [policy] of
+        config.toml; a refused pull raises PolicyRefused (exit 4) and is logged."""
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
         digest = self.resolve(ref)
         manifest = self.manifest(digest)
+        self._enforce_policy(ref, digest, manifest, require_signed_by, require_verified)
         fetcher = Fetcher(None if self.config.offline else self.store, self.cache)
         if output is None:
             stats = fetch(manifest, fetcher, workers=workers, progress=progress)
@@ -209,6 +224,8 @@ class Registry:
             manifest, stats.blobs, dst.name, dst.tag, labels,
             dst_registry._event("copy", repository=dst.name, tag=dst.tag, digest=digest,
                                 detail=detail)))
+        dst_registry._ensure_blobs(
+            manifest, lambda: copy_blobs(manifest, self.store, dst_registry.store).blobs)
         self.catalog.add_event(self._event("copy", repository=src.name, tag=src.tag,
                                            digest=digest, detail=detail))
         return digest, stats
@@ -247,3 +264,126 @@ class Registry:
                 detail={"checked": report.checked,
                         "bad": [str(b.digest) for b in report.bad]}))
         return tuple(reports)
+
+    # --- provenance, signatures, audit and gc ------------------------------------------
+
+    @cached_property
+    def keyring(self) -> Keyring:
+        from registry.provenance import Keyring
+
+        return Keyring(self.config.home)
+
+    def log(self, ref: Reference | str | None = None, *, since: datetime | None = None,
+            action: str | None = None) -> tuple[EventRecord, ...]:
+        ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        # By digest even after gc removed the artifact: its history outlives it.
+        digest = None if ref is None else ref.digest or self.resolve(ref)
+        return tuple(self.catalog.events(digest=digest, action=action, since=since))
+
+    def _catalog_manifest(self, digest: Digest) -> Manifest:
+        """The manifest as the catalog holds it now (no cache): it must hash to `digest`."""
+        try:
+            return Manifest.parse(self.catalog.artifact(digest).manifest, digest)
+        except IntegrityError as e:
+            raise IntegrityError(f"catalog manifest of {digest} is corrupt: {e.message}",
+                                 hint="run `kvgraft audit` on it") from None
+
+    def provenance(self, ref: Reference | str,
+                   ) -> tuple[Statement, tuple[AttestationRecord, ...]]:
+        """The kvgraft provenance statement of the artifact `ref` names (derived from its
+        manifest and first push), and the attestations stored about it."""
+        from registry.audit import origin
+        from registry.provenance import Statement, provenance_statement
+
+        ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        digest = self.resolve(ref)
+        manifest = self._catalog_manifest(digest)
+        statement = provenance_statement(manifest, origin(self.catalog.events(digest=digest)),
+                                         name=ref.name)
+        attestations = tuple(self.catalog.attestations(digest))
+        for a in attestations:
+            try:  # validated on read, like everything kvgraft hands out
+                Statement.parse(a.statement)
+            except IntegrityError as e:
+                raise IntegrityError(f"attestation {a.id} of {digest} is invalid: {e.message}",
+                                     hint="`kvgraft audit` shows every problem") from None
+        return statement, attestations
+
+    def sign(self, ref: Reference | str, key: str) -> tuple[Digest, str, int]:
+        """Sign the provenance statement of `ref` with the keyring's key `key`; stores the
+        DSSE envelope as an attestation. Returns (digest, keyid, attestation id)."""
+        from registry.provenance import PROVENANCE, sign_statement
+
+        ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        signer = self.keyring.signer(key)
+        statement, _ = self.provenance(ref)
+        digest = statement.subjects[0].digest
+        keyid: str = signer.public_key.keyid
+        envelope = sign_statement(statement, signer)
+        att = AttestationRecord(digest, PROVENANCE, statement.canonical(), envelope, keyid)
+        event = self._event("sign", repository=ref.name, tag=ref.tag, digest=digest,
+                            detail={"keyid": keyid, "key": key, "predicate_type": PROVENANCE,
+                                    "statement_digest": str(statement.digest)})
+        return digest, keyid, self.catalog.add_attestation(att, event)
+
+    def attest(self, statement: Statement, *, event_action: str = "attest",
+               detail: Mapping[str, Any] | None = None) -> int:
+        """Store an (unsigned) statement about its subject artifact, with its event."""
+        digest = statement.subjects[0].digest
+        att = AttestationRecord(digest, statement.predicate_type, statement.canonical())
+        event = self._event(event_action, digest=digest, detail={
+            **(detail or {}), "predicate_type": statement.predicate_type,
+            "statement_digest": str(statement.digest)})
+        return self.catalog.add_attestation(att, event)
+
+    def audit(self, ref: Reference | str, *, workers: int = 2) -> AuditReport:
+        from registry.audit import audit
+
+        return audit(self.catalog, self.store, self.resolve(ref), self.keyring.trusted(),
+                     workers=workers)
+
+    def gc_plan(self, *, grace: float | None = None,
+                untagged_older_than: float | None = None) -> GcPlan:
+        from registry.gc import DEFAULT_GRACE, plan
+
+        return plan(self.catalog, self.store,
+                    grace=DEFAULT_GRACE if grace is None else grace,
+                    untagged_older_than=untagged_older_than)
+
+    def gc(self, gc_plan: GcPlan) -> GcResult:
+        from registry.gc import execute
+
+        return execute(self.catalog, self.store, gc_plan,
+                       self._event("gc", detail={"store": self.store.url}))
+
+    def _enforce_policy(self, ref: Reference, digest: Digest, manifest: Manifest,
+                        signed_by: Sequence[str], verified: bool | ModelIdentity) -> None:
+        from registry.provenance import PolicyRefused, load_policy
+        from registry.provenance import require_signed_by as signed_check
+        from registry.provenance import require_verified as verified_check
+
+        policy = load_policy(self.config.home, self.keyring)
+        keyids = tuple(self.keyring.resolve(k) for k in signed_by) or policy.require_signed_by
+        identity = verified if isinstance(verified, ModelIdentity) else \
+            (manifest.model if verified or policy.require_verified else None)
+        if not keyids and identity is None:
+            return
+        if self.config.offline:
+            raise PolicyRefused(f"cannot check the signing/verification policy for {ref} "
+                                "offline (it needs the catalog)")
+        try:
+            if keyids:
+                signed_check(self.catalog, digest, keyids, self.keyring.trusted())
+            if identity is not None:
+                verified_check(self.catalog, digest, identity)
+        except PolicyRefused as e:
+            self.catalog.add_event(self._event("pull", repository=ref.name, tag=ref.tag,
+                                               digest=digest, outcome="refused",
+                                               detail={"reason": e.message}))
+            raise
+
+    def _ensure_blobs(self, manifest: Manifest,
+                      reupload: Callable[[], Iterable[BlobRecord]]) -> None:
+        from registry.gc import ensure_blobs
+
+        ensure_blobs(self.catalog, self.store, manifest, reupload)

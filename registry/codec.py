@@ -82,9 +82,17 @@ def zstd_decode(body: Buffer, size: int) -> bytes:
     if declared != size:
         raise IntegrityError(f"zstd frame declares {declared} bytes, expected {size}")
     try:
+        if size == 0:
+            # One-shot decompression of a frame that declares no content returns b"" without
+            # reading it; a streaming decoder has to reach the end of the frame.
+            obj = zstandard.ZstdDecompressor().decompressobj()
+            out: bytes = obj.decompress(body)
+            if not obj.eof or obj.unused_data:
+                raise IntegrityError("zstd frame is truncated or has trailing data")
+            return out
         # The output buffer is exactly `size`: a frame that lies about its size fails here
         # instead of allocating whatever it claims.
-        out: bytes = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+        out = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
     except zstandard.ZstdError as e:
         raise IntegrityError(f"corrupt zstd data: {e}") from None
     if len(out) != size:

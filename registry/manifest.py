@@ -6,6 +6,7 @@ and the cross-field rules the schema cannot say, so a Manifest that exists is va
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,16 @@ from registry.identity import ModelIdentity, canonical_json
 from registry.resources import load_schema
 
 MEDIA_TYPE = "application/vnd.kvgraft.manifest.v1+json"
+
+
+@functools.cache
+def _validator() -> jsonschema.protocols.Validator:
+    # jsonschema.validate() re-checks the schema itself on every call (tens of ms).
+    schema = load_schema("manifest")
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    validator: jsonschema.protocols.Validator = cls(schema)
+    return validator
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +141,7 @@ class Manifest:
     @classmethod
     def from_json(cls, data: Any) -> Manifest:
         try:
-            jsonschema.validate(data, load_schema("manifest"))
+            _validator().validate(data)
         except jsonschema.ValidationError as e:
             where = "/".join(str(p) for p in e.absolute_path) or "<root>"
             raise IntegrityError(f"manifest fails its schema at {where}: {e.message}") from None

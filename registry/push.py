@@ -20,7 +20,7 @@ from registry.catalog.records import BlobRecord
 from registry.chunks import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkPlan, gather, plan_chunks
 from registry.codec import DEFAULT_CODEC, Selector, codec_selector, frame, parse_frame
 from registry.digest import Buffer, Digest
-from registry.errors import IntegrityError, UsageError
+from registry.errors import IntegrityError, NotFound, UsageError
 from registry.kvfile import KVLayout, hash_file, read_layout
 from registry.manifest import BlobRef, ChunkRef, LayerRef, Manifest
 from registry.prefix import prefix_keys
@@ -73,17 +73,24 @@ class _Uploader:
     def put(self, digest: Digest, data: Buffer) -> tuple[BlobRecord, bool]:
         """Store `data` under `digest` unless present; returns its record and whether stored."""
         size = memoryview(data).nbytes
-        if not self.store.exists(digest):
-            codec = self.select(data)
-            parts = frame(codec, data)
-            stored = sum(memoryview(p).nbytes for p in parts)
-            if self.store.put(digest, parts):
-                return BlobRecord(digest, size, stored, codec.name), True
-        # Already there (or a racing writer won): describe what is actually stored.
-        record = existing_record(self.store, digest, size)
-        if record is None:
-            raise IntegrityError(f"blob {digest} vanished from {self.store.url} during the push")
-        return record, False
+        # A gc may delete a blob between our look and our read: then store it ourselves
+        # (registry.gc explains the rest of that race).
+        for _ in range(3):
+            if not self.store.exists(digest):
+                codec = self.select(data)
+                parts = frame(codec, data)
+                stored = sum(memoryview(p).nbytes for p in parts)
+                if self.store.put(digest, parts):
+                    return BlobRecord(digest, size, stored, codec.name), True
+            # Already there (or a racing writer won): describe what is actually stored.
+            try:
+                record = existing_record(self.store, digest, size)
+            except NotFound:
+                record = None
+            if record is not None:
+                return record, False
+        raise IntegrityError(f"blob {digest} kept vanishing from {self.store.url} during the "
+                             "push", hint="push again")
 
 
 def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,

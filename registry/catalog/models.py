@@ -143,6 +143,20 @@ class EventRow(Base):
     digest: Mapped[str | None] = mapped_column(DIGEST, nullable=True, index=True)
     outcome: Mapped[str] = mapped_column(String(32))
     detail: Mapped[str] = mapped_column(Text)
+    # The hash chain (registry.catalog.audit): position, predecessor's hash, own hash.
+    seq: Mapped[int] = mapped_column(BigInteger, unique=True, index=True)
+    prev_hash: Mapped[str] = mapped_column(DIGEST)
+    hash: Mapped[str] = mapped_column(DIGEST)
 
 
 Index("ix_artifact_chunks_blob_digest", ArtifactChunkRow.blob_digest)
+
+
+class BlobDeletionRow(Base):
+    """Every blob gc deleted, written in the deleting transaction: a push that committed
+    around a gc looks its blobs up here to learn whether it must upload them again."""
+
+    __tablename__ = "blob_deletions"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    digest: Mapped[str] = mapped_column(DIGEST, index=True)
+    deleted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

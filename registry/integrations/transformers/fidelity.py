@@ -1,0 +1,233 @@
+"""The fidelity check: a graft restored into this model must give logits byte-identical to
+computing the same prefix fresh and then the suffix (the "fresh two-step"), in this run,
+with this thread count. (It is not always byte-identical to one forward over prefix and
+suffix together: kernels block a longer sequence differently.)
+
+A check that passes is stored as an in-toto Statement v1 attestation on the artifact digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+
+from registry import __version__
+from registry.catalog import AttestationRecord
+from registry.client import Registry
+from registry.digest import Digest
+from registry.errors import UsageError
+from registry.identity import canonical_json
+from registry.integrations.transformers.capture import (
+    cache_tensors,
+    prefill,
+    raw_bytes,
+    tokenize,
+)
+from registry.integrations.transformers.generate import Step, greedy
+from registry.integrations.transformers.loader import load_graft
+from registry.integrations.transformers.models import LoadedModel, engine_info
+from registry.reference import Reference
+
+FIDELITY_PREDICATE = "https://kvgraft.dev/attestations/fidelity/v1"
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+DEFAULT_SUFFIX = " In summary,"
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """One compared logits row: after suffix token `index` (or greedy step)."""
+
+    phase: str  # "suffix" or "greedy"
+    index: int
+    graft_sha256: str
+    fresh_sha256: str
+    graft_argmax: int
+    fresh_argmax: int
+    kl: float  # KL(fresh || graft), nats
+    max_abs_diff: float
+
+    @property
+    def identical(self) -> bool:
+        return self.graft_sha256 == self.fresh_sha256
+
+    def to_json(self) -> dict[str, Any]:
+        return {"phase": self.phase, "index": self.index, "identical": self.identical,
+                "graft_sha256": self.graft_sha256, "fresh_sha256": self.fresh_sha256,
+                "graft_argmax": self.graft_argmax, "fresh_argmax": self.fresh_argmax,
+                "kl": self.kl, "max_abs_diff": self.max_abs_diff}
+
+
+@dataclass(frozen=True, slots=True)
+class FidelityReport:
+    reference: Reference
+    digest: Digest
+    prefix_tokens: int
+    suffix_tokens: tuple[int, ...]
+    positions: tuple[Position, ...]
+    graft_tokens: tuple[int, ...]  # greedy continuation after the suffix
+    fresh_tokens: tuple[int, ...]
+    engine: dict[str, Any]
+    recompute: dict[str, Any] | None = None  # tensor digests recomputed vs manifest
+    attestation: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def byte_identical(self) -> bool:
+        return (all(p.identical for p in self.positions)
+                and self.graft_tokens == self.fresh_tokens)
+
+    @property
+    def ok(self) -> bool:
+        return self.byte_identical and (self.recompute is None or self.recompute["ok"])
+
+    @property
+    def argmax_agreement(self) -> float:
+        return sum(p.graft_argmax == p.fresh_argmax for p in self.positions) / len(self.positions)
+
+    @property
+    def max_kl(self) -> float:
+        return max(p.kl for p in self.positions)
+
+    @property
+    def max_abs_diff(self) -> float:
+        return max(p.max_abs_diff for p in self.positions)
+
+    def summary(self) -> dict[str, Any]:
+        return {"byte_identical": self.byte_identical, "ok": self.ok,
+                "positions": len(self.positions),
+                "identical_positions": sum(p.identical for p in self.positions),
+                "argmax_agreement": self.argmax_agreement, "max_kl": self.max_kl,
+                "max_abs_diff": self.max_abs_diff,
+                "greedy_steps": len(self.graft_tokens),
+                "greedy_identical": self.graft_tokens == self.fresh_tokens}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reference": str(self.reference), "digest": str(self.digest),
+                "prefix_tokens": self.prefix_tokens, "suffix_tokens": list(self.suffix_tokens),
+                **self.summary(), "graft_continuation": list(self.graft_tokens),
+                "fresh_continuation": list(self.fresh_tokens), "engine": self.engine,
+                "recompute": self.recompute, "attestation": self.attestation,
+                "timings": self.timings, "detail": [p.to_json() for p in self.positions]}
+
+
+def _compare(phase: str, start: int, g: Any, f: Any) -> list[Position]:
+    out = []
+    for j in range(g.shape[0]):
+        a, b = g[j], f[j]
+        pa = torch.log_softmax(a.double(), -1)
+        pb = torch.log_softmax(b.double(), -1)
+        kl = float(torch.sum(pb.exp() * (pb - pa)).item())
+        out.append(Position(phase, start + j, Digest.of(raw_bytes(a)).hex,
+                            Digest.of(raw_bytes(b)).hex, int(torch.argmax(a).item()),
+                            int(torch.argmax(b).item()), max(kl, 0.0),
+                            float((a.double() - b.double()).abs().max().item())))
+    return out
+
+
+def _positions(g: list[Step], f: list[Step]) -> list[Position]:
+    out = _compare("suffix", 0, g[0].logits, f[0].logits)
+    for i, (a, b) in enumerate(zip(g[1:], f[1:], strict=False)):
+        out += _compare("greedy", i + 1, a.logits, b.logits)
+    return out
+
+
+def recompute_tensors(lm: LoadedModel, token_ids: Sequence[int],
+                      expected: dict[str, Digest]) -> dict[str, Any]:
+    """Prefill the graft's tokens again and compare every tensor digest with the manifest."""
+    cache, _ = prefill(lm, token_ids, record_past=True)
+    bad = []
+    checked = 0
+    for i, (k, v, _start) in enumerate(cache_tensors(cache, len(token_ids))):
+        for kind, t in (("key", k), ("value", v)):
+            name = f"layers.{i}.{kind}"
+            got = Digest.of(raw_bytes(t))
+            checked += 1
+            if expected.get(name) != got:
+                bad.append({"tensor": name, "expected": str(expected.get(name)),
+                            "found": str(got)})
+    return {"ok": not bad and checked == sum(1 for n in expected if n.startswith("layers.")),
+            "checked": checked, "mismatches": bad}
+
+
+def verify_graft(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
+                 suffix: str | None = None, suffix_ids: Sequence[int] | None = None,
+                 steps: int = 8, recompute: bool = False, attest: bool = True,
+                 ) -> FidelityReport:
+    """Compare the grafted continuation with the fresh two-step one (and, with
+    `recompute`, the stored tensors with a fresh prefill); attest a passing check."""
+    import time
+
+    if suffix is not None and suffix_ids is not None:
+        raise UsageError("give a suffix text or suffix ids, not both")
+    ids = (list(suffix_ids) if suffix_ids is not None
+           else tokenize(lm.tokenizer, suffix if suffix is not None else DEFAULT_SUFFIX,
+                         special=False))
+    if not ids:
+        raise UsageError("the suffix has no tokens")
+    if steps < 0:
+        raise UsageError("steps must be at least 0")
+    reference = Reference.parse(ref) if isinstance(ref, str) else ref
+    t0 = time.perf_counter()
+    graft = load_graft(reference, lm, registry=registry)
+    t1 = time.perf_counter()
+    grafted = greedy(lm, graft.cache(), ids, steps)
+    t2 = time.perf_counter()
+    fresh_cache, _ = prefill(lm, graft.token_ids)
+    fresh = greedy(lm, fresh_cache, ids, steps)
+    t3 = time.perf_counter()
+    timings = {"load": t1 - t0, "grafted": t2 - t1, "fresh": t3 - t2}
+    checked = (recompute_tensors(lm, graft.token_ids, dict(graft.manifest.tensors))
+               if recompute else None)
+    report = FidelityReport(
+        reference, graft.digest, graft.token_count, tuple(ids), tuple(_positions(grafted, fresh)),
+        tuple(s.token for s in grafted), tuple(s.token for s in fresh),
+        engine_info(lm.model), checked, None, {k: round(v, 6) for k, v in timings.items()})
+    if report.ok and attest and not registry.config.offline:
+        att = attest_fidelity(registry, report, lm)
+        report = dataclasses.replace(report, attestation=att)
+    return report
+
+
+def statement(report: FidelityReport, lm: LoadedModel, creator: str) -> dict[str, Any]:
+    """An in-toto Statement v1 about the artifact digest."""
+    import transformers
+
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": str(report.reference), "digest": {"sha256": report.digest.hex}}],
+        "predicateType": FIDELITY_PREDICATE,
+        "predicate": {
+            "model": lm.fingerprint.identity.to_json(), "passed": report.ok,
+            "checkedAt": datetime.now(UTC).isoformat(),
+            "host": socket.gethostname(), "creator": creator,
+            "engine": report.engine,
+            "versions": {"kvgraft": __version__, "transformers": transformers.__version__,
+                         "torch": torch.__version__, "python": platform.python_version()},
+            "identity": lm.fingerprint.identity.to_json(),
+            "claim": "grafted logits are byte-identical to the fresh two-step computation",
+            "result": {**report.summary(), "prefix_tokens": report.prefix_tokens,
+                       "suffix_tokens": list(report.suffix_tokens),
+                       "logits_sha256": [p.graft_sha256 for p in report.positions],
+                       "continuation": list(report.graft_tokens),
+                       "recompute": report.recompute},
+        },
+    }
+
+
+def attest_fidelity(registry: Registry, report: FidelityReport, lm: LoadedModel) -> int:
+    creator = f"{registry.user}@{registry.host}"
+    body = canonical_json(statement(report, lm, creator))
+    record = AttestationRecord(artifact=report.digest, predicate_type=FIDELITY_PREDICATE,
+                               statement=body)
+    ref = report.reference
+    return registry.catalog.add_attestation(record, registry._event(
+        "attest", repository=ref.name, tag=ref.tag, digest=report.digest,
+        detail={"predicate_type": FIDELITY_PREDICATE,
+                "statement_digest": str(record.statement_digest)}))

@@ -1,0 +1,298 @@
+"""The compatibility-checking loader: pull a graft through the machine cache, check it
+belongs to the live model, and rebuild a transformers cache from it.
+
+The rebuilt cache is what the engine would hold after the same prefill: full-attention
+layers get every position, sliding-window layers the last `window - 1` positions and
+their `cumulative_length` counter (without it the next forward masks and positions the
+window wrongly and runs silently wrong). Tensors stay in the graft's dtype on the model's
+device; a dtype that differs from the model's is refused, never cast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from registry.blobstore.base import BlobStore
+from registry.cache import Cache
+from registry.chunks import plan_chunks
+from registry.client import Registry
+from registry.codec import parse_frame
+from registry.compat import CompatReport, compare
+from registry.digest import Digest
+from registry.errors import IncompatibleModel, IntegrityError
+from registry.fingerprint import torch_dtype_name
+from registry.integrations.transformers.models import LoadedModel
+from registry.kvfile import KVLayout, TensorInfo
+from registry.manifest import BlobRef, Manifest
+from registry.pull import Fetcher, layout_of
+from registry.reference import Reference
+
+log = logging.getLogger(__name__)
+KVBuffer = bytearray | mmap.mmap  # a KV file's bytes in memory
+_TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                 "F64": torch.float64}
+
+
+@dataclass(frozen=True, slots=True)
+class GraftLayer:
+    key: Any  # [1, kv_heads, T, head_dim] on the model's device
+    value: Any
+    start: int  # absolute position of key[:, :, 0]
+
+
+@dataclass(frozen=True, slots=True)
+class Graft:
+    """A verified graft, ready to be turned into caches for the model it was checked against."""
+
+    reference: Reference
+    digest: Digest
+    manifest: Manifest
+    token_ids: tuple[int, ...]
+    layers: tuple[GraftLayer, ...]
+    report: CompatReport
+    config: Any  # the live model's config (decides the cache layer kinds)
+    forced: bool = False
+
+    @property
+    def token_count(self) -> int:
+        return len(self.token_ids)
+
+    def _kinds(self) -> list[Any]:
+        return list(DynamicCache(config=self.config).layers)
+
+    def usable_length(self, length: int) -> int:
+        """The longest prefix ≤ `length` this graft can restore. Full-attention layers can
+        be cut anywhere; a sliding-window layer needs the window before the cut, which it
+        holds only near the end of the graft (or everywhere, for grafts shorter than it)."""
+        best = min(length, self.token_count)
+        for kind, layer in zip(self._kinds(), self.layers, strict=True):
+            if isinstance(kind, DynamicSlidingWindowLayer):
+                w = kind.sliding_window - 1
+                if best - min(best, w) < layer.start:
+                    best = min(best, w) if layer.start == 0 else 0
+            elif layer.start != 0:
+                best = 0
+        return best
+
+    def cache(self, length: int | None = None) -> Any:
+        """A fresh DynamicCache over the first `length` tokens (all by default). The tensors
+        are shared, not copied: the cache grows by concatenation, never in place."""
+        n = self.token_count if length is None else length
+        if not 0 < n <= self.token_count or self.usable_length(n) != n:
+            raise IncompatibleModel(f"graft {self.reference} cannot be restored at {n} tokens "
+                                    "(its sliding-window layers do not hold that window)")
+        cache = DynamicCache(config=self.config)
+        kinds: list[Any] = list(cache.layers)
+        for i, (kind, layer) in enumerate(zip(kinds, self.layers, strict=True)):
+            sliding = type(kind) is DynamicSlidingWindowLayer
+            if not sliding and type(kind) is not DynamicLayer:
+                raise IncompatibleModel(f"layer {i} of this model uses a "
+                                        f"{type(kind).__name__} cache, which kvgraft cannot fill")
+            lo = n - min(n, kind.sliding_window - 1) if sliding else 0
+            k = layer.key[:, :, lo - layer.start : n - layer.start]
+            v = layer.value[:, :, lo - layer.start : n - layer.start]
+            kind.lazy_initialization(k, v)
+            kind.keys, kind.values = k, v
+            if sliding:
+                kind.cumulative_length = n  # positions and the window mask derive from it
+        return cache
+
+
+def _check_structure(layout: KVLayout, lm: LoadedModel, what: str) -> None:
+    """What a forced load still cannot do: fill a cache of another shape or dtype."""
+    kinds = list(DynamicCache(config=lm.model.config).layers)
+    want = torch_dtype_name(lm.dtype)
+    if len(kinds) != len(layout.layers):
+        raise IncompatibleModel(f"{what} has {len(layout.layers)} layers, the model "
+                                f"{len(kinds)}: it cannot be loaded even when forced")
+    probe = lm.model.config.get_text_config(decoder=True)
+    heads = getattr(probe, "num_key_value_heads", None) or probe.num_attention_heads
+    dim = getattr(probe, "head_dim", None) or probe.hidden_size // probe.num_attention_heads
+    for layer in layout.layers:
+        if layer.key.dtype != want:
+            raise IncompatibleModel(f"{what} holds {layer.key.dtype} tensors, the model runs in "
+                                    f"{want}: kvgraft does not cast a cache")
+        if layer.key.shape[0] != heads or layer.key.shape[2] != dim:
+            raise IncompatibleModel(f"{what} layer {layer.index} is [{layer.key.shape[0]} heads, "
+                                    f"{layer.key.shape[2]} dims], the model needs [{heads}, {dim}]")
+
+
+def _verify(manifest: Manifest, layout: KVLayout, view: memoryview, workers: int) -> bool:
+    """Every byte of an assembled KV file against the manifest: the header blob digest and
+    each tensor's digest, hashed on `workers` threads (hashlib releases the GIL)."""
+    jobs = [(manifest.header.digest, view[: layout.header_size])]
+    for t in layout.tensors:
+        want = manifest.tensors.get(t.name)
+        if want is None:
+            return False
+        jobs.append((want, view[t.begin : t.end]))
+    with ThreadPoolExecutor(workers, thread_name_prefix="kvgraft-verify") as pool:
+        got = list(pool.map(lambda job: Digest.of(job[1]), jobs))
+    return all(g == want for g, (want, _) in zip(got, jobs, strict=True))
+
+
+def _assemble(manifest: Manifest, layout: KVLayout, fetcher: Fetcher, view: memoryview,
+              workers: int) -> None:
+    """Scatter the verified chunk blobs of `manifest` into `view` (the KV file's bytes)."""
+    plans = plan_chunks(layout, manifest.chunk_tokens)
+    if [(p.start, p.end, p.size) for p in plans] != \
+            [(c.start, c.end, c.size) for c in manifest.chunks]:
+        raise IntegrityError(f"manifest {manifest.digest} chunks do not match its header")
+    tokens, _ = fetcher.get(manifest.tokens)
+    view[layout.token_ids.begin : layout.token_ids.end] = tokens
+    places: dict[Digest, list[int]] = {}
+    for i, c in enumerate(manifest.chunks):
+        places.setdefault(c.digest, []).append(i)
+
+    def place(digest: Digest) -> None:
+        first = plans[places[digest][0]]
+        data, _ = fetcher.get(BlobRef(digest, first.size))
+        payload = memoryview(data)
+        for i in places[digest]:
+            plan = plans[i]
+            if bytes(payload[: len(plan.header)]) != plan.header:
+                raise IntegrityError(f"chunk {digest} does not have the layout its manifest "
+                                     "describes")
+            for r in plan.runs:
+                view[r.file_offset : r.file_offset + r.length] = \
+                    payload[r.offset : r.offset + r.length]
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="kvgraft-graft") as pool:
+        for fut in [pool.submit(place, d) for d in places]:
+            fut.result()
+
+
+def _read_materialised(cache: Cache, manifest: Manifest) -> tuple[mmap.mmap, int] | None:
+    """(mapping, offset of the KV file in it) of the assembled file kept in the cache.
+
+    A private copy-on-write mapping: pages come straight from the page cache (a fresh
+    buffer and a copy would cost more than hashing it), and the tensors built over it are
+    writable without touching the file. Cache entries are replaced by rename, never
+    rewritten in place, so a mapped file cannot change under us."""
+    try:
+        f = cache.blobs.open(manifest.file_digest)
+    except LookupError:
+        return None
+    with f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):
+            return None
+    with contextlib.suppress(AttributeError, OSError):
+        mapped.madvise(mmap.MADV_WILLNEED)
+    try:
+        codec, decoded, body = parse_frame(memoryview(mapped))
+    except IntegrityError:
+        return None
+    base = len(mapped) - body.nbytes
+    body.release()
+    if codec != "raw" or decoded != manifest.file_size or len(mapped) - base != decoded:
+        return None
+    return mapped, base
+
+
+def read_kv(manifest: Manifest, fetcher: Fetcher, *, workers: int = 2, keep: bool = True,
+            ) -> tuple[KVLayout, KVBuffer, int]:
+    """The KV file of `manifest` in memory, every byte verified: (layout, buffer, offset
+    of the file in the buffer).
+
+    The first load assembles it from the chunk blobs (each verified as it is read) and,
+    with `keep`, keeps the assembled file in the cache as a raw blob under the file
+    digest, so later loads skip decompression; those re-verify every tensor on read. The
+    cache's prune drops it with everything else and it is rebuilt on demand."""
+    header, _ = fetcher.get(manifest.header)
+    layout = layout_of(manifest, header)
+    kept = _read_materialised(fetcher.cache, manifest)
+    if kept is not None:
+        mapped, base = kept
+        with memoryview(mapped) as view:
+            good = _verify(manifest, layout, view[base:], workers)
+        if good:
+            return layout, mapped, base
+        fetcher.cache.blobs.delete(manifest.file_digest)  # torn or tampered: rebuild it
+    buf = bytearray(manifest.file_size)
+    view = memoryview(buf)
+    view[: layout.header_size] = header
+    _assemble(manifest, layout, fetcher, view, workers)
+    if not _verify(manifest, layout, view, workers):
+        raise IntegrityError(f"assembled KV file of {manifest.digest} does not match its "
+                             "manifest's tensor digests")
+    if keep:
+        fetcher.cache.put(manifest.file_digest, buf)
+    return layout, buf, 0
+
+
+def _tensor(buf: KVBuffer, base: int, t: TensorInfo, device: Any) -> Any:
+    count = t.nbytes // t.itemsize
+    flat = torch.frombuffer(buf, dtype=_TORCH_DTYPES[t.dtype], count=count,
+                            offset=base + t.begin)
+    return flat.view(1, *t.shape).to(device)
+
+
+_MANIFESTS: dict[Digest, Manifest] = {}
+_MANIFESTS_MAX = 64
+
+
+def _manifest(registry: Registry, digest: Digest) -> Manifest:
+    """Parsed manifests, remembered per process: a digest names immutable content, and
+    schema validation costs more than the rest of a small graft's load."""
+    manifest = _MANIFESTS.get(digest)
+    if manifest is None:
+        manifest = registry.manifest(digest)
+        if len(_MANIFESTS) >= _MANIFESTS_MAX:
+            _MANIFESTS.pop(next(iter(_MANIFESTS)))
+        _MANIFESTS[digest] = manifest
+    return manifest
+
+
+def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
+               force_incompatible: bool = False, workers: int = 2) -> Graft:
+    """Pull `ref` (through the cache), refuse it unless it belongs to `lm`, and return it
+    ready to restore. With `force_incompatible` a mismatch is logged as a warning and
+    recorded in the audit log (action "force-incompatible") instead of refused."""
+    reference = Reference.parse(ref) if isinstance(ref, str) else ref
+    digest = registry.resolve(reference)
+    manifest = _manifest(registry, digest)
+    what = f"graft {reference}"
+    report = compare(manifest.model, manifest.model_config, lm.fingerprint)
+    if not report.ok:
+        if not force_incompatible:
+            raise report.error(what)
+        log.warning("FORCED: loading %s into an incompatible model: %s", reference,
+                    "; ".join(m.human() for m in report.mismatches))
+        if not registry.config.offline:
+            registry.catalog.add_event(registry._event(
+                "force-incompatible", repository=reference.name, tag=reference.tag,
+                digest=digest, outcome="forced",
+                detail={"model": lm.fingerprint.identity.to_json(),
+                        "mismatches": [m.to_json() for m in report.mismatches]}))
+    store: BlobStore | None = None if registry.config.offline else registry.store
+    layout, buf, base = read_kv(manifest, Fetcher(store, registry.cache), workers=workers)
+    _check_structure(layout, lm, what)
+    if not registry.config.offline and reference.tag is not None:
+        registry.cache.put_ref(reference, digest)
+    layers = tuple(GraftLayer(_tensor(buf, base, li.key, lm.device),
+                              _tensor(buf, base, li.value, lm.device), li.start)
+                   for li in layout.layers)
+    tokens = tuple(torch.frombuffer(buf, dtype=torch.int64, count=layout.token_count,
+                                    offset=base + layout.token_ids.begin).tolist())
+    return Graft(reference, digest, manifest, tokens, layers, report, lm.model.config,
+                 forced=not report.ok)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

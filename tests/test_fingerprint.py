@@ -1,0 +1,101 @@
+"""Model fingerprints: what the architecture digest covers, weights hashed once per model
+directory, and a live model agreeing with the directory it was saved to."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from registry import fingerprint as fpmod
+from registry.fingerprint import architecture_digest, kv_config
+
+
+def _cfg(**kw: object) -> SimpleNamespace:
+    base: dict[str, object] = {"model_type": "llama", "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "hidden_size": 64, "rope_parameters": {"rope_theta": 1e4}}
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_architecture_covers_kv_fields() -> None:
+    base = kv_config(_cfg(), "BF16")
+    assert base["head_dim"] == 16 and base["layer_types"] == ["full_attention"] * 2
+    digest = architecture_digest(base)
+    for change in [{"rope_parameters": {"rope_theta": 5e5}}, {"num_hidden_layers": 3},
+                   {"num_key_value_heads": 4}, {"sliding_window": 8},
+                   {"partial_rotary_factor": 0.5}, {"attn_logit_softcapping": 50.0},
+                   {"query_pre_attn_scalar": 32}, {"attention_chunk_size": 64},
+                   {"layer_types": ["sliding_attention", "full_attention"]}]:
+        assert architecture_digest(kv_config(_cfg(**change), "BF16")) != digest, change
+    assert architecture_digest(kv_config(_cfg(), "F32")) != digest
+    # Fields that do not touch the KV cache leave it alone.
+    assert architecture_digest(kv_config(_cfg(use_cache=False, output_attentions=True),
+                                         "BF16")) == digest
+
+
+def test_dir_weights_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from registry.kvfile import RawTensor, safetensors_header
+
+    model = tmp_path / "m"
+    model.mkdir()
+    data = bytes(range(256)) * 4
+
+    def write(payload: bytes) -> None:
+        header = safetensors_header([("w", "U8", (len(payload),), len(payload))])
+        (model / "model.safetensors").write_bytes(header + payload)
+
+    assert RawTensor  # the header writer is the KV file's own
+    write(data)
+    calls: list[Path] = []
+    real = fpmod.hash_safetensors
+    monkeypatch.setattr(fpmod, "hash_safetensors", lambda p: calls.append(p) or real(p))
+    cache = tmp_path / "cache"
+    first = fpmod.dir_weights_digest(model, cache)
+    assert fpmod.dir_weights_digest(model, cache) == first
+    assert len(calls) == 1
+    saved = json.loads(next((cache / "fingerprints").glob("weights-*.json")).read_text())
+    assert list(saved["files"]) == ["model.safetensors"]
+    write(data[::-1])  # same size, new content and mtime: hashed again
+    st = (model / "model.safetensors").stat()
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert fpmod.dir_weights_digest(model, cache) != first
+    assert len(calls) == 2
+
+
+def test_live_model_matches_its_directory(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="needs the [hf] extra (torch)")
+    pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
+    from registry.fingerprint import fingerprint, fingerprint_dir
+    from registry.integrations.transformers import load_model
+    from tests.models import build
+
+    for kind in ("llama", "gemma2", "gemma3"):
+        path = build(tmp_path / kind, kind, dtype="BF16")
+        lm = load_model(path, cache_dir=tmp_path / "cache")
+        live = fingerprint(lm.model, lm.tokenizer)  # hashes the tensors in memory
+        assert live.identity == lm.fingerprint.identity
+        assert fingerprint_dir(path, cache_dir=tmp_path / "cache").identity == live.identity
+        assert fingerprint_dir(path, dtype="F32").identity.architecture != \
+            live.identity.architecture
+
+
+def test_fingerprint_command(tmp_path: Path, cli_env: dict[str, str]) -> None:
+    pytest.importorskip("torch", reason="needs the [hf] extra (torch)")
+    pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from tests.models import build
+
+    path = build(tmp_path / "g", "gemma2")
+    r = CliRunner(env=cli_env).invoke(cli, ["fingerprint", "--model", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["config"]["sliding_window"] == 16 and out["config"]["kv_dtype"] == "F32"
+    assert out["weights"].startswith("sha256:") and out["key"].startswith("sha256:")
+    r = CliRunner(env=cli_env).invoke(cli, ["fingerprint", "--model", str(tmp_path)])
+    assert r.exit_code == 2 and "not a model directory" in r.stderr

@@ -1,0 +1,246 @@
+"""Garbage collection: plan then execute, on every store and both catalogs, and safe while
+other writers push artifacts that share blobs with the ones being deleted."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from cli.main import cli
+from registry.catalog import Catalog, PushRecord
+from registry.catalog.records import PushOutcome
+from registry.client import Registry
+from registry.digest import Digest
+from registry.gc import GcResult
+from registry.kvfile import write_kvfile
+from registry.push import PushOptions, build_artifact
+from registry.sample import synthetic_identity, synthetic_layers
+from tests.conftest import RegistryFactory
+
+
+def variant(path: Path, run: int, *, seed: int = 0, tokens: int = 600) -> Path:
+    """KV files of one seed differ only in their provenance (so in their header blob):
+    they share every chunk blob and the token blob."""
+    layers = synthetic_layers(2, 2, 16, tokens, seed=seed)
+    ids = [(seed * 7919 + i * 31) % 49152 for i in range(tokens)]
+    return write_kvfile(path, layers, ids, synthetic_identity(), model_name="synthetic",
+                        model_config={"model_type": "synthetic"}, provenance={"run": run})
+
+
+@pytest.fixture
+def reg(make_registry: RegistryFactory, catalog_url: str,
+        store_url: str) -> Iterator[Registry]:
+    Catalog.open(catalog_url, auto_upgrade=True).close()
+    r = make_registry(catalog_url=catalog_url, blob_url=store_url)
+    yield r
+    r.close()
+
+
+def stored(r: Registry) -> set[Digest]:
+    return {b.digest for b in r.store.iter()}
+
+
+def intact(r: Registry, ref: str) -> bool:
+    return all(report.ok for report in r.verify(ref))
+
+
+def test_plan_then_execute(reg: Registry, tmp_path: Path) -> None:
+    a = reg.push(variant(tmp_path / "a.kv", 1), "gc/a:v1").digest
+    b = reg.push(variant(tmp_path / "b.kv", 2), "gc/b:v1").digest  # shares a's chunks
+    c = reg.push(variant(tmp_path / "c.kv", 3, seed=5), "gc/c:v1").digest
+    reg.untag("gc/a:v1")
+    reg.untag("gc/c:v1")
+    # A push that died before its commit leaves blobs no artifact references.
+    orphan = build_artifact(variant(tmp_path / "o.kv", 4, seed=9), reg.store, PushOptions())
+    keep = {x.digest for x in reg.manifest(b).blobs()}
+    doomed = stored(reg) - keep
+    assert {x.digest for x in orphan.blobs} <= doomed
+    assert reg.manifest(a).header.digest in doomed
+
+    plan = reg.gc_plan(grace=0, untagged_older_than=0)
+    assert set(plan.artifacts) == {a, c}
+    assert {x.digest for x in plan.blobs} == doomed
+    assert plan.bytes_freed == sum(x.stored_size for x in reg.store.iter() if x.digest in doomed)
+    assert (plan.kept_artifacts, plan.kept_blobs) == (1, len(keep))
+    assert stored(reg) == keep | doomed  # planning deletes nothing
+
+    result = reg.gc(plan)
+    assert set(result.artifacts) == {a, c} and set(result.blobs) == doomed
+    assert result.bytes_freed == plan.bytes_freed and not result.errors
+    assert stored(reg) == keep
+    assert set(reg.catalog.artifact_digests()) == {b}
+    assert intact(reg, "gc/b:v1")
+    [event] = reg.log(action="gc")
+    assert sorted(event.detail["artifacts_deleted"]) == sorted(str(d) for d in (a, c))
+    assert event.detail["blobs_planned"] == len(doomed)
+    assert reg.gc_plan(grace=0, untagged_older_than=0).blobs == ()
+    # The history of a collected artifact outlives it.
+    assert [e.action for e in reg.log(f"gc/a@{a}")] == ["push", "untag"]
+
+
+def test_grace_retention_and_lineage_keep_things(make_registry: RegistryFactory,
+                                                 catalog_url: str, tmp_path: Path) -> None:
+    Catalog.open(catalog_url, auto_upgrade=True).close()
+    reg = make_registry(catalog_url=catalog_url)
+    parent = reg.push(variant(tmp_path / "p.kv", 1, seed=1), "lin/p:v1").digest
+    child = reg.push(variant(tmp_path / "c.kv", 2, seed=2), "lin/c:v1",
+                     options=PushOptions(parents=(parent,))).digest
+    loose = reg.push(variant(tmp_path / "l.kv", 3, seed=3), "lin/l:v1").digest
+    for ref in ("lin/p:v1", "lin/l:v1"):
+        reg.untag(ref)
+    build_artifact(variant(tmp_path / "o.kv", 4, seed=4), reg.store, PushOptions())
+    assert reg.gc_plan(grace=0).artifacts == ()  # no retention given: every artifact stays
+    young = reg.gc_plan(grace=3600, untagged_older_than=3600)
+    assert young.artifacts == () and young.blobs == () and young.young_blobs == 5
+    plan = reg.gc_plan(grace=0, untagged_older_than=0)
+    assert plan.artifacts == (loose,)  # the untagged parent of a tagged child stays
+    reg.gc(plan)
+    assert intact(reg, f"lin/p@{parent}") and intact(reg, "lin/c:v1")
+    assert reg.audit("lin/c:v1").ok
+    reg.untag("lin/c:v1")
+    assert set(reg.gc_plan(grace=0, untagged_older_than=0).artifacts) == {parent, child}
+    reg.close()
+
+
+def _gc_during_commit(monkeypatch: pytest.MonkeyPatch, r: Registry) -> list[GcResult]:
+    """Run a whole gc after the next push stored its blobs and before it commits: the
+    worst moment, made certain instead of left to chance."""
+    ran: list[GcResult] = []
+    real = Catalog.record_push
+
+    def late(self: Catalog, push: PushRecord) -> PushOutcome:
+        if not ran:
+            ran.append(r.gc(r.gc_plan(grace=0, untagged_older_than=0)))
+        return real(self, push)
+
+    monkeypatch.setattr(Catalog, "record_push", late)
+    return ran
+
+
+@pytest.mark.parametrize("store_url", ["local", "s3"], indirect=True)
+def test_gc_between_a_push_and_its_commit(reg: Registry, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    old = reg.push(variant(tmp_path / "old.kv", 1), "race/old:v1").digest
+    reg.untag("race/old:v1")
+    ran = _gc_during_commit(monkeypatch, reg)
+    new = reg.push(variant(tmp_path / "new.kv", 2), "race/new:v1")
+    [result] = ran
+    shared = {c.digest for c in reg.manifest(old).chunks}
+    assert result.artifacts == (old,) and shared <= set(result.blobs)  # gc really hit it
+    assert new.blobs_stored == 1  # the push itself found the shared blobs present
+    assert intact(reg, "race/new:v1")
+    out = tmp_path / "out.kv"
+    reg.pull("race/new:v1", out)
+    assert out.read_bytes() == (tmp_path / "new.kv").read_bytes()
+
+
+@pytest.mark.parametrize("store_url", ["memory"], indirect=True)
+def test_without_the_post_commit_check_that_race_loses_data(
+        reg: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control for the test above: the race is real, and the re-check is what wins it."""
+    reg.push(variant(tmp_path / "old.kv", 1), "race/old:v1")
+    reg.untag("race/old:v1")
+    _gc_during_commit(monkeypatch, reg)
+    monkeypatch.setattr(Registry, "_ensure_blobs", lambda *a: None)
+    reg.push(variant(tmp_path / "new.kv", 2), "race/new:v1")
+    assert not intact(reg, "race/new:v1")
+
+
+@pytest.mark.parametrize("store_url", ["local", "s3"], indirect=True)
+def test_gc_racing_pushes(make_registry: RegistryFactory, catalog_url: str, store_url: str,
+                          tmp_path: Path) -> None:
+    Catalog.open(catalog_url, auto_upgrade=True).close()
+    seeds = range(3)
+    setup = make_registry(catalog_url=catalog_url, blob_url=store_url)
+    for s in seeds:  # artifacts about to be collected, sharing blobs with what comes next
+        setup.push(variant(tmp_path / f"old{s}.kv", 0, seed=s, tokens=520), f"r/old{s}:v1")
+        setup.untag(f"r/old{s}:v1")
+    setup.close()
+    done = threading.Event()
+    errors: list[BaseException] = []
+    pushed: list[tuple[str, Path]] = []
+    runs: list[GcResult] = []
+
+    def pusher(s: int) -> None:
+        r = make_registry(catalog_url=catalog_url, blob_url=store_url,
+                          cache_dir=tmp_path / f"cache{s}")
+        try:
+            for run in range(1, 4):
+                src = variant(tmp_path / f"new{s}-{run}.kv", run, seed=s, tokens=520)
+                r.push(src, f"r/new{s}:v{run}")
+                pushed.append((f"r/new{s}:v{run}", src))
+                if run > 1:  # churn: the previous one becomes garbage at once
+                    r.untag(f"r/new{s}:v{run - 1}")
+        except BaseException as e:  # collected: a thread's failure must fail the test
+            errors.append(e)
+        finally:
+            r.close()
+
+    def collector() -> None:
+        r = make_registry(catalog_url=catalog_url, blob_url=store_url,
+                          cache_dir=tmp_path / "gc-cache")
+        try:
+            while not done.is_set() or not runs:
+                runs.append(r.gc(r.gc_plan(grace=0, untagged_older_than=0)))
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            r.close()
+
+    gc_thread = threading.Thread(target=collector)
+    gc_thread.start()
+    threads = [threading.Thread(target=pusher, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    gc_thread.join()
+    assert not errors, errors
+    assert sum(len(x.artifacts) for x in runs) >= 1 and len(runs) >= 2
+    check = make_registry(catalog_url=catalog_url, blob_url=store_url,
+                          cache_dir=tmp_path / "check-cache")
+    # Every artifact that is still tagged pulls and verifies, byte for byte.
+    tagged = {f"{t.repository}:{t.tag}" for t in check.list()}
+    assert tagged == {f"r/new{s}:v3" for s in seeds}
+    for ref, src in pushed:
+        if ref in tagged:
+            assert intact(check, ref), ref
+            out = tmp_path / "out.kv"
+            check.pull(ref, out)
+            assert out.read_bytes() == src.read_bytes()
+    check.close()
+
+
+def test_gc_command(cli_env: dict[str, str], tmp_path: Path) -> None:
+    runner = CliRunner(env=cli_env)
+
+    def run(*args: str) -> Any:
+        return runner.invoke(cli, list(args))
+
+    assert run("push", str(variant(tmp_path / "a.kv", 1)), "cmd/a:v1").exit_code == 0
+    assert run("push", str(variant(tmp_path / "b.kv", 2, seed=3)), "cmd/b:v1").exit_code == 0
+    assert run("untag", "cmd/b:v1").exit_code == 0
+    r = run("gc", "--dry-run", "--grace", "0s", "--untagged-older-than", "0s", "--json")
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["dry_run"] and len(plan["plan"]["artifacts"]) == 1
+    assert plan["plan"]["bytes_freed"] > 0
+    r = run("gc", "--dry-run", "--grace", "0s", "--untagged-older-than", "0s")
+    assert r.exit_code == 0 and "would delete 1 artifact(s)" in r.stderr
+    r = run("gc", "--untagged-older-than", "7d")  # b is younger than a week: nothing to do
+    assert r.exit_code == 0 and "deleted 0 artifact(s), 0 blob(s)" in r.stderr
+    r = run("gc", "--grace", "0s", "--untagged-older-than", "0s", "--json")
+    assert r.exit_code == 0
+    assert json.loads(r.stdout)["blobs_deleted"] == len(plan["plan"]["blobs"])
+    assert run("pull", "cmd/a:v1").exit_code == 0
+    for bad in ("soon", "-1s", "1y"):
+        assert run("gc", "--grace", bad).exit_code == 2
+    assert len(json.loads(run("log", "--action", "gc", "--json").stdout.splitlines()[-1])
+               ["detail"]["artifacts_deleted"]) == 1
