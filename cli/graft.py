@@ -166,11 +166,14 @@ def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
 @click.option("--max-new-tokens", type=click.IntRange(1), default=32, show_default=True)
 @click.option("--force-incompatible", is_flag=True,
               help="UNSAFE, for experiments: load a graft made for another model (audited).")
+@click.option("--require-verified", is_flag=True,
+              help="Refuse unless a fidelity check of this graft on this model passed.")
 @json_option
 @click.pass_context
 def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               threads: int | None, text: str | None, text_file: Path | None,
-              max_new_tokens: int, force_incompatible: bool, as_json: bool) -> None:
+              max_new_tokens: int, force_incompatible: bool, require_verified: bool,
+              as_json: bool) -> None:
     """Generate from a prompt with the graft REF restored instead of its prefill."""
     from registry.integrations.transformers import graft_generate
 
@@ -181,7 +184,8 @@ def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
         err("WARNING: --force-incompatible: a graft from another model gives wrong output "
             "silently; this use is recorded in the audit log")
     result = graft_generate(reg, lm, Reference.parse(ref), prompt=prompt,
-                            max_new_tokens=max_new_tokens, force_incompatible=force_incompatible)
+                            max_new_tokens=max_new_tokens, force_incompatible=force_incompatible,
+                            require_verified=require_verified)
     if as_json:
         emit_json(result.to_json())
         return

@@ -264,3 +264,20 @@ def test_tampered_cached_kv_is_rebuilt(registry: Registry, model_root: Path,
     again = load_graft("t/tamper:v1", lm, registry=registry)
     assert torch.equal(again.layers[-1].value, first.layers[-1].value)
     assert kept.read_bytes() != bytes(data)  # rebuilt from the verified chunks
+
+
+def test_loader_requires_a_fidelity_attestation_for_the_live_model(
+        registry: Registry, model_root: Path, tmp_path: Path) -> None:
+    from registry.errors import IntegrityError
+
+    lm = loaded(registry, model_dir(model_root, "llama"))
+    push_capture(registry, lm, tmp_path, "t/needs-check:v1")
+    with pytest.raises(IntegrityError, match="never verified"):
+        load_graft("t/needs-check:v1", lm, registry=registry, require_verified=True)
+    report = verify_graft(registry, lm, "t/needs-check:v1", suffix_ids=[65, 66], steps=1)
+    assert report.byte_identical
+    assert load_graft("t/needs-check:v1", lm, registry=registry, require_verified=True)
+    # A check made on another model (other weights) does not count for this one.
+    other = loaded(registry, model_dir(model_root, "llama", seed=7))
+    with pytest.raises((IntegrityError, IncompatibleModel)):
+        load_graft("t/needs-check:v1", other, registry=registry, require_verified=True)

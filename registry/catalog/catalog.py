@@ -176,7 +176,7 @@ class Catalog:
                 event: EventRecord) -> Digest | None:
         now = _now()
         with self._session(write=True) as s:
-            self._require_artifact(s, digest)
+            self._require_artifact(s, digest, lock=True)
             s.execute(self._insert(RepositoryArtifactRow).values(
                 repository=repository, artifact_digest=str(digest), created_at=now,
             ).on_conflict_do_nothing())
@@ -273,8 +273,11 @@ class Catalog:
                 model_name=model_name or "", created_at=_aware(row.created_at),
                 repositories=tuple(repos), tags=tags, labels=labels)
 
-    def _require_artifact(self, s: Session, digest: Digest) -> ArtifactRow:
-        row = s.get(ArtifactRow, str(digest))
+    def _require_artifact(self, s: Session, digest: Digest, *,
+                          lock: bool = False) -> ArtifactRow:
+        # `lock` holds a share lock on the row until commit (PostgreSQL; SQLite writers hold
+        # the database lock anyway), so gc cannot delete an artifact being tagged.
+        row = s.get(ArtifactRow, str(digest), with_for_update={"read": True} if lock else None)
         if row is None:
             raise NotFound(f"artifact {digest} is not in the catalog")
         return row

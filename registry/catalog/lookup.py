@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from registry.catalog.catalog import Catalog
 from registry.catalog.models import ArtifactChunkRow, ArtifactRow, ModelRow
@@ -23,8 +23,15 @@ def chunk_sizes(catalog: Catalog, identity_key: Digest) -> list[int]:
         model_id = s.scalar(select(ModelRow.id).where(ModelRow.identity == str(identity_key)))
         if model_id is None:
             return []
-        rows = s.execute(select(ArtifactRow.chunk_tokens).where(
-            ArtifactRow.model_id == model_id).group_by(ArtifactRow.chunk_tokens)).all()
+        # A skip scan: each step seeks the next larger size in (model_id, chunk_tokens).
+        rows = s.execute(text(
+            "WITH RECURSIVE sizes(c) AS ("
+            " SELECT MIN(chunk_tokens) FROM artifacts WHERE model_id = :m"
+            " UNION ALL"
+            " SELECT (SELECT MIN(chunk_tokens) FROM artifacts"
+            "         WHERE model_id = :m AND chunk_tokens > sizes.c)"
+            " FROM sizes WHERE sizes.c IS NOT NULL)"
+            " SELECT c FROM sizes WHERE c IS NOT NULL"), {"m": model_id}).all()
     return sorted(int(r[0]) for r in rows)
 
 

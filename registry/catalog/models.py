@@ -64,6 +64,10 @@ class ArtifactRow(Base):
     file_size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
+    # Prefix lookup asks which chunk sizes a model's artifacts use: with this index that is
+    # one seek per distinct size instead of a scan of the model's artifacts.
+    __table_args__ = (Index("ix_artifacts_model_id_chunk_tokens", "model_id", "chunk_tokens"),)
+
 
 class ArtifactBlobRow(Base):
     """Every blob an artifact needs (header, tokens, chunks): what gc marks and verify reads."""

@@ -16,7 +16,7 @@ from registry.resources import migrations_dir
 if TYPE_CHECKING:
     from alembic.config import Config
 
-HEAD = "0002"
+HEAD = "0003"
 VERSION_TABLE = "alembic_version"
 
 

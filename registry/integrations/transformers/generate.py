@@ -83,7 +83,8 @@ def plan_reuse(graft: Graft, prompt: Sequence[int]) -> int:
 
 def graft_generate(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
                    prompt: str | None = None, prompt_ids: Sequence[int] | None = None,
-                   max_new_tokens: int = 32, force_incompatible: bool = False) -> GraftResult:
+                   max_new_tokens: int = 32, force_incompatible: bool = False,
+                   require_verified: bool = False) -> GraftResult:
     """Generate from `prompt` (text or token ids) with the prefill of its common prefix
     with the graft `ref` restored instead of computed."""
     if (prompt is None) == (prompt_ids is None):
@@ -91,7 +92,8 @@ def graft_generate(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
     if max_new_tokens < 1:
         raise UsageError("max_new_tokens must be at least 1")
     t0 = time.perf_counter()
-    graft = load_graft(ref, lm, registry=registry, force_incompatible=force_incompatible)
+    graft = load_graft(ref, lm, registry=registry, force_incompatible=force_incompatible,
+                       require_verified=require_verified)
     ids = (tokenize(lm.tokenizer, prompt) if prompt is not None
            else [int(t) for t in prompt_ids or []])
     if not ids:

@@ -256,14 +256,20 @@ def _manifest(registry: Registry, digest: Digest) -> Manifest:
 
 
 def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
-               force_incompatible: bool = False, workers: int = 2) -> Graft:
+               force_incompatible: bool = False, require_verified: bool = False,
+               workers: int = 2) -> Graft:
     """Pull `ref` (through the cache), refuse it unless it belongs to `lm`, and return it
     ready to restore. With `force_incompatible` a mismatch is logged as a warning and
-    recorded in the audit log (action "force-incompatible") instead of refused."""
+    recorded in the audit log (action "force-incompatible") instead of refused. With
+    `require_verified` the graft also needs a passing fidelity attestation for `lm`."""
     reference = Reference.parse(ref) if isinstance(ref, str) else ref
     digest = registry.resolve(reference)
     manifest = _manifest(registry, digest)
     what = f"graft {reference}"
+    if require_verified:
+        from registry.provenance.policy import require_verified as check_verified
+
+        check_verified(registry.catalog, digest, lm.fingerprint.identity)
     report = compare(manifest.model, manifest.model_config, lm.fingerprint)
     if not report.ok:
         if not force_incompatible:
