@@ -19,7 +19,7 @@ from pathlib import Path
 
 from registry.blobstore.base import BlobStore
 from registry.cache import Cache
-from registry.chunks import plan_chunks, scatter
+from registry.chunks import ChunkPlan, plan_chunks, scatter_many
 from registry.codec import decode_blob
 from registry.digest import Buffer, Digest
 from registry.errors import IntegrityError, NotFound, RegistryError
@@ -28,6 +28,7 @@ from registry.kvfile import KVLayout, parse_header
 from registry.manifest import BlobRef, Manifest
 
 Progress = Callable[[int], None]
+SCATTER_BATCH = 8  # decoded chunks held to coalesce their writes (memory: 8 chunks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,21 +169,22 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int =
         tokens, _ = fetcher.get(manifest.tokens)
         os.pwrite(fd, tokens, layout.token_ids.begin)
 
-        def place(ref: BlobRef) -> tuple[Buffer, int]:
-            data, n = fetcher.get(ref)
+        chunk_refs = [BlobRef(d, plan_of[d].size) for d in places]
+        batch: list[tuple[ChunkPlan, memoryview]] = []
+        for ref, (data, _) in _map(fetcher.get, chunk_refs, workers):
             view = memoryview(data)
             for i in places[ref.digest]:
                 plan = plans[i]
                 if bytes(view[: len(plan.header)]) != plan.header:
                     raise IntegrityError(f"chunk {ref.digest} does not have the layout its "
                                          "manifest describes")
-                scatter(fd, plan, view)
-            return b"", n
-
-        chunk_refs = [BlobRef(d, plan_of[d].size) for d in places]
-        for ref, _ in _map(place, chunk_refs, workers):
+                batch.append((plan, view))
+            if len(batch) >= SCATTER_BATCH:
+                scatter_many(fd, batch)
+                batch.clear()
             if progress:
                 progress(ref.size * len(places[ref.digest]))
+        scatter_many(fd, batch)
         # Every chunk was verified on the way in; this pass checks the assembly itself.
         # The file digest covers each tensor's bytes, so tensor digests need no second pass.
         # Flushing to disk and re-reading from the page cache overlap (both drop the GIL).
