@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from cli import audit, graft, manage
 from cli.errors import run_guarded
 from cli.output import emit_json, emit_table, err, human_bytes, progress_bar
 from registry import __version__
@@ -269,17 +270,6 @@ def main() -> None:
     cli(prog_name="kvgraft")
 
 
-def _register() -> None:
-    from cli import manage
-
-    for command in manage.COMMANDS:
-        cli.add_command(command)
-
-
-_register()
-
-for _command in __import__("cli.graft", fromlist=["COMMANDS"]).COMMANDS:
-    cli.add_command(_command)
-
-for _command in __import__("cli.audit", fromlist=["COMMANDS"]).COMMANDS:
-    cli.add_command(_command)
+for _module in (manage, graft, audit):
+    for _command in _module.COMMANDS:
+        cli.add_command(_command)
