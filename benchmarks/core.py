@@ -59,6 +59,31 @@ def _child(argv: list[str]) -> tuple[dict[str, Any], int]:
     return result, result.pop("peak_rss")
 
 
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+Measured = tuple[dict[str, Any], int, dict[str, Any], int]
+
+
+def ratio_rows(bench: str, size: int, measured: dict[str, Measured],
+               extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per operation: kvgraft next to its baseline from the same run.
+
+    `measured` maps an operation to (ours, our peak RSS, baseline, baseline peak RSS); each
+    result has the "seconds" it took."""
+    mb = size / 1e6
+    return [{
+        "bench": f"{bench} {op}", "size_mib": round(size / 2**20),
+        "kvgraft_MBps": round(mb / ours["seconds"], 1),
+        "baseline_MBps": round(mb / base["seconds"], 1),
+        "ratio": round(base["seconds"] / ours["seconds"], 2),
+        **extra,
+        "peak_rss_MB": round(ours_rss / 1e6), "baseline_peak_rss_MB": round(base_rss / 1e6),
+    } for op, (ours, ours_rss, base, base_rss) in measured.items()]
+
+
 def baseline_push(src: Path, dst: Path) -> dict[str, Any]:
     cctx = zstandard.ZstdCompressor(level=LEVEL)
     h = hashlib.sha256()
@@ -122,7 +147,6 @@ def run(workdir: Path, size_mib: int, report: Callable[[dict[str, Any]], None]) 
     workdir.mkdir(parents=True, exist_ok=True)
     src = kv_file(workdir, size_mib)
     size = src.stat().st_size
-    mb = size / 1e6
     scratch = workdir / "core"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir()
@@ -132,21 +156,14 @@ def run(workdir: Path, size_mib: int, report: Callable[[dict[str, Any]], None]) 
                                        str(scratch / "base.out")])
     pull, pull_rss = _child(["kvgraft-pull", str(scratch / "home"), str(scratch / "cache"),
                              str(scratch / "pulled.kv")])
-    if hashlib.sha256(src.read_bytes()).digest() != \
-            hashlib.sha256((scratch / "pulled.kv").read_bytes()).digest():
+    if sha256_file(src) != sha256_file(scratch / "pulled.kv"):
         raise RuntimeError("pulled file differs from the pushed one")
-    for op, ours, ours_rss, base, base_rss in (
-            ("push", push, push_rss, base_push, base_push_rss),
-            ("pull", pull, pull_rss, base_pull, base_pull_rss)):
-        report({
-            "bench": f"local {op}", "size_mib": round(size / 2**20),
-            "kvgraft_MBps": round(mb / ours["seconds"], 1),
-            "baseline_MBps": round(mb / base["seconds"], 1),
-            "ratio": round(base["seconds"] / ours["seconds"], 2),
-            "compression": round(size / push["stored"], 3),
-            "baseline_compression": round(size / base_push["stored"], 3),
-            "peak_rss_MB": round(ours_rss / 1e6), "baseline_peak_rss_MB": round(base_rss / 1e6),
-        })
+    for row in ratio_rows("local", size, {
+            "push": (push, push_rss, base_push, base_push_rss),
+            "pull": (pull, pull_rss, base_pull, base_pull_rss)},
+            {"compression": round(size / push["stored"], 3),
+             "baseline_compression": round(size / base_push["stored"], 3)}):
+        report(row)
     shutil.rmtree(scratch / "cache", ignore_errors=True)
     return src
 

@@ -17,7 +17,6 @@ process, so its peak RSS (VmHWM) is its own.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks.core import ratio_rows, sha256_file
 
 BUCKET = "bench"
 PREFIX = "kv"
@@ -113,11 +114,6 @@ def _concatenate_blobs(client: Any, out: Path) -> int:
     return size
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None]) -> None:
     from tests.services import start_seaweedfs
 
@@ -137,22 +133,15 @@ def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None]) 
                                 str(scratch / "cache"), str(scratch / "pulled.kv"))
     finally:
         server.stop()
-    if _sha256(kv_file) != _sha256(scratch / "pulled.kv"):
+    if sha256_file(kv_file) != sha256_file(scratch / "pulled.kv"):
         raise RuntimeError("the KV file pulled through S3 differs from the pushed one")
     size = kv_file.stat().st_size
-    mb = size / 1e6
-    for op, ours, ours_rss, base, base_rss in (
-            ("push", push, push_rss, base_push, base_push_rss),
-            ("pull", pull, pull_rss, base_pull, base_pull_rss)):
-        report({
-            "bench": f"s3 {op}", "size_mib": round(size / 2**20),
-            "kvgraft_MBps": round(mb / ours["seconds"], 1),
-            "baseline_MBps": round(mb / base["seconds"], 1),
-            "ratio": round(base["seconds"] / ours["seconds"], 2),
-            "stored_MB": round(stored / 1e6, 1), "compression": round(size / stored, 3),
-            "peak_rss_MB": round(ours_rss / 1e6), "baseline_peak_rss_MB": round(base_rss / 1e6),
-            "baseline": "boto3 upload_file/download_file of the stored blobs as one file",
-        })
+    for row in ratio_rows("s3", size, {
+            "push": (push, push_rss, base_push, base_push_rss),
+            "pull": (pull, pull_rss, base_pull, base_pull_rss)},
+            {"stored_MB": round(stored / 1e6, 1), "compression": round(size / stored, 3),
+             "baseline": "boto3 upload_file/download_file of the stored blobs as one file"}):
+        report(row)
     shutil.rmtree(scratch, ignore_errors=True)
 
 

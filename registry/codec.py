@@ -92,7 +92,8 @@ def zstd_decode(body: Buffer, size: int) -> bytes:
             return out
         # The output buffer is exactly `size`: a frame that lies about its size fails here
         # instead of allocating whatever it claims.
-        out = zstandard.ZstdDecompressor().decompress(body, max_output_size=size)
+        out = zstandard.ZstdDecompressor().decompress(body, max_output_size=size,
+                                                      allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise IntegrityError(f"corrupt zstd data: {e}") from None
     if len(out) != size:

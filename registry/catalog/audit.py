@@ -36,7 +36,7 @@ from registry.catalog.models import (
     EventRow,
     TagRow,
 )
-from registry.catalog.records import BlobRecord, EventRecord
+from registry.catalog.records import BlobRecord, EventRecord, aware
 from registry.digest import Digest
 from registry.identity import canonical_json
 
@@ -189,9 +189,6 @@ class ArtifactLinks:
     blobs: tuple[Digest, ...]
 
 
-def _aware(t: datetime) -> datetime:
-    return t if t.tzinfo else t.replace(tzinfo=UTC)
-
 
 def _chunks(keys: list[str]) -> Iterable[list[str]]:
     for i in range(0, len(keys), _BATCH):
@@ -205,7 +202,7 @@ def inventory(s: Session) -> list[ArtifactLinks]:
         blobs.setdefault(a, []).append(Digest.parse(b))
     rows = s.execute(select(ArtifactRow.digest, ArtifactRow.created_at, ArtifactRow.manifest)
                      .order_by(ArtifactRow.created_at))
-    return [ArtifactLinks(Digest.parse(d), _aware(at), d in tagged, _parents(raw),
+    return [ArtifactLinks(Digest.parse(d), aware(at), d in tagged, _parents(raw),
                           tuple(blobs.get(d, ()))) for d, at, raw in rows]
 
 

@@ -36,6 +36,7 @@ from registry.catalog.records import (
     PushOutcome,
     PushRecord,
     TagRecord,
+    aware,
 )
 from registry.digest import Digest
 from registry.errors import CatalogOutdated, NotFound, Unavailable
@@ -46,9 +47,6 @@ from registry.reference import Reference
 def _now() -> datetime:
     return datetime.now(UTC)
 
-
-def _aware(t: datetime) -> datetime:
-    return t if t.tzinfo else t.replace(tzinfo=UTC)  # SQLite returns naive UTC
 
 
 class Catalog:
@@ -223,7 +221,7 @@ class Catalog:
                 artifact=Digest.parse(a.artifact_digest), predicate_type=a.predicate_type,
                 statement=a.statement.encode(),
                 envelope=a.envelope.encode() if a.envelope is not None else None,
-                keyid=a.keyid, created_at=_aware(a.created_at), id=a.id)
+                keyid=a.keyid, created_at=aware(a.created_at), id=a.id)
                 for a in s.scalars(q.order_by(AttestationRow.id))]
 
     def add_event(self, event: EventRecord) -> None:
@@ -270,7 +268,7 @@ class Catalog:
             return ArtifactRecord(
                 digest=digest, manifest=row.manifest.encode(), size=row.size,
                 stored_size=int(stored or 0), token_count=row.token_count,
-                model_name=model_name or "", created_at=_aware(row.created_at),
+                model_name=model_name or "", created_at=aware(row.created_at),
                 repositories=tuple(repos), tags=tags, labels=labels)
 
     def _require_artifact(self, s: Session, digest: Digest, *,
@@ -285,7 +283,7 @@ class Catalog:
     @staticmethod
     def _tags(s: Session, query: Select[TagRow]) -> tuple[TagRecord, ...]:
         return tuple(TagRecord(t.repository, t.tag, Digest.parse(t.artifact_digest),
-                               _aware(t.updated_at))
+                               aware(t.updated_at))
                      for t in s.scalars(query.order_by(TagRow.repository, TagRow.tag)))
 
     def list_tags(self, pattern: str | None = None) -> tuple[TagRecord, ...]:
@@ -329,7 +327,7 @@ class Catalog:
                 action=e.action, actor=e.actor, host=e.host, outcome=e.outcome,
                 repository=e.repository, tag=e.tag,
                 digest=Digest.parse(e.digest) if e.digest else None,
-                detail=json.loads(e.detail), at=_aware(e.at), id=e.id)
+                detail=json.loads(e.detail), at=aware(e.at), id=e.id)
                 for e in s.scalars(q)]
 
     # --- audit, lineage and gc: the queries live in registry.catalog.audit --------------

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from registry.digest import Digest
 from registry.manifest import Manifest
+
+
+def aware(t: datetime) -> datetime:
+    """A catalog timestamp as an aware UTC datetime (SQLite hands back naive UTC)."""
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True, slots=True)
