@@ -81,6 +81,9 @@ def ratio_rows(bench: str, size: int, measured: dict[str, Measured],
         "ratio": round(base["seconds"] / ours["seconds"], 2),
         **extra,
         "peak_rss_MB": round(ours_rss / 1e6), "baseline_peak_rss_MB": round(base_rss / 1e6),
+        # Where each side was measured several times, "seconds" is their median.
+        **({"kvgraft_rounds_s": ours["rounds"], "baseline_rounds_s": base["rounds"]}
+           if "rounds" in ours else {}),
     } for op, (ours, ours_rss, base, base_rss) in measured.items()]
 
 

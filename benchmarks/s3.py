@@ -4,14 +4,20 @@ TransferConfig: 8 MiB multipart parts, 10 threads) of the same compressed bytes,
 artifact's stored blobs concatenated into one file. Every measurement runs in its own
 process, so its peak RSS (VmHWM) is its own.
 
-    run(workdir, kv_file, report) -> None
-        workdir: scratch directory (a server data dir and a catalog are made under it);
+Loopback S3 on a small machine is noisy (the server shares the cores, and one transfer's
+timing depends on what the page cache and the server did just before), so each side is
+measured `rounds` times, alternating which goes first, and the rows give the median of each
+(every round's seconds are in the row too). Each kvgraft push round pushes into an empty
+prefix, so every round uploads every blob.
+
+    run(workdir, kv_file, report, rounds=3) -> None
+        workdir: scratch directory (a server data dir and catalogs are made under it);
         kv_file: the KV file to push (e.g. benchmarks.core.kv_file(workdir, 1024));
         report:  called with one dict per row ("s3 push", "s3 pull"): MB/s of the KV file
-                 size for kvgraft and the baseline, their ratio (>1: kvgraft faster), peak
-                 RSS of each, compression.
+                 size for kvgraft and the baseline (medians), their ratio (>1: kvgraft
+                 faster), the highest peak RSS of each, compression.
 
-    python -m benchmarks.s3 [--size-mib 1024] [--workdir .bench]
+    python -m benchmarks.s3 [--size-mib 1024] [--workdir .bench] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -34,26 +41,27 @@ PREFIX = "kv"
 BASELINE_KEY = "baseline/blobs.bin"
 
 
-def _registry(home: Path, cache: Path) -> Any:
+def _registry(home: Path, cache: Path, prefix: str) -> Any:
     from registry.client import Registry
     from registry.config import Config
 
     # The catalog is the embedded SQLite one under home; the blobs go to the bucket.
     return Registry(Config.from_env({"KVGRAFT_HOME": str(home), "KVGRAFT_CACHE": str(cache),
-                                     "KVGRAFT_BLOB_URL": f"s3://{BUCKET}/{PREFIX}"}))
+                                     "KVGRAFT_BLOB_URL": f"s3://{BUCKET}/{prefix}"}))
 
 
-def kvgraft_push(src: str, home: str) -> dict[str, Any]:
-    reg = _registry(Path(home), Path(home) / "cache")
+def kvgraft_push(src: str, home: str, prefix: str) -> dict[str, Any]:
+    reg = _registry(Path(home), Path(home) / "cache", prefix)
     reg.catalog  # noqa: B018  (open and migrate the catalog outside the timed region)
     reg.store  # noqa: B018
     t0 = time.perf_counter()
     result = reg.push(src, "bench/kv:1")
-    return {"seconds": time.perf_counter() - t0, "stored": result.stored_size}
+    return {"seconds": time.perf_counter() - t0, "stored": result.stored_size,
+            "blobs_stored": result.blobs_stored}
 
 
-def kvgraft_pull(home: str, cache: str, out: str) -> dict[str, Any]:
-    reg = _registry(Path(home), Path(cache))
+def kvgraft_pull(home: str, cache: str, out: str, prefix: str) -> dict[str, Any]:
+    reg = _registry(Path(home), Path(cache), prefix)
     reg.catalog  # noqa: B018
     reg.store  # noqa: B018
     t0 = time.perf_counter()
@@ -100,12 +108,12 @@ def _child(env: dict[str, str], *argv: str) -> tuple[dict[str, Any], int]:
     return result, result.pop("peak_rss")
 
 
-def _concatenate_blobs(client: Any, out: Path) -> int:
+def _concatenate_blobs(client: Any, prefix: str, out: Path) -> int:
     """The artifact's stored bytes as one file: what the baseline moves."""
     size = 0
     with open(out, "wb") as f:
         for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
-                                                                     Prefix=f"{PREFIX}/"):
+                                                                     Prefix=f"{prefix}/"):
             for obj in page.get("Contents", []):
                 body = client.get_object(Bucket=BUCKET, Key=obj["Key"])["Body"]
                 for block in body.iter_chunks(1 << 20):
@@ -114,33 +122,78 @@ def _concatenate_blobs(client: Any, out: Path) -> int:
     return size
 
 
-def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None]) -> None:
+Result = tuple[dict[str, Any], int]
+
+
+def _rounds(rounds: int, ours: Callable[[int], Result], base: Callable[[int], Result],
+            ) -> tuple[dict[str, Any], int, dict[str, Any], int]:
+    """Median seconds and highest peak RSS of each side over `rounds` alternating rounds."""
+    mine: list[Result] = []
+    theirs: list[Result] = []
+    for r in range(rounds):
+        if r % 2:
+            theirs.append(base(r))
+            mine.append(ours(r))
+        else:
+            mine.append(ours(r))
+            theirs.append(base(r))
+
+    def summary(results: list[Result]) -> tuple[dict[str, Any], int]:
+        seconds = [res["seconds"] for res, _ in results]
+        return ({"seconds": statistics.median(seconds),
+                 "rounds": [round(x, 3) for x in seconds]},
+                max(rss for _, rss in results))
+
+    return (*summary(mine), *summary(theirs))
+
+
+def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None],
+        rounds: int = 3) -> None:
     from tests.services import start_seaweedfs
 
     scratch = workdir / "s3"
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
     server = start_seaweedfs(scratch / "server")
+    blobs, pulled = scratch / "blobs.bin", scratch / "pulled.kv"
     try:
         server.create_bucket(BUCKET)
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("KVGRAFT_", "AWS_"))} | server.env
-        push, push_rss = _child(env, "kvgraft-push", str(kv_file), str(scratch / "home"))
-        stored = _concatenate_blobs(server.client(), scratch / "blobs.bin")
-        base_push, base_push_rss = _child(env, "baseline-push", str(scratch / "blobs.bin"))
-        base_pull, base_pull_rss = _child(env, "baseline-pull", str(scratch / "blobs.out"))
-        pull, pull_rss = _child(env, "kvgraft-pull", str(scratch / "home"),
-                                str(scratch / "cache"), str(scratch / "pulled.kv"))
+        home = [scratch / f"home{r}" for r in range(rounds)]
+
+        def our_push(r: int) -> Result:
+            result = _child(env, "kvgraft-push", str(kv_file), str(home[r]), f"{PREFIX}{r}")
+            if result[0]["blobs_stored"] == 0:
+                raise RuntimeError("a benchmark push round stored nothing: not measured")
+            if r == 0:  # the baseline moves these bytes
+                _concatenate_blobs(server.client(), f"{PREFIX}0", blobs)
+            return result
+
+        def our_pull(r: int) -> Result:
+            cache = scratch / "cache"
+            shutil.rmtree(cache, ignore_errors=True)
+            pulled.unlink(missing_ok=True)
+            return _child(env, "kvgraft-pull", str(home[0]), str(cache), str(pulled),
+                          f"{PREFIX}0")
+
+        def base_pull(r: int) -> Result:
+            out = scratch / "blobs.out"
+            out.unlink(missing_ok=True)
+            return _child(env, "baseline-pull", str(out))
+
+        push = _rounds(rounds, our_push, lambda r: _child(env, "baseline-push", str(blobs)))
+        pull = _rounds(rounds, our_pull, base_pull)
     finally:
         server.stop()
-    if sha256_file(kv_file) != sha256_file(scratch / "pulled.kv"):
+    if sha256_file(kv_file) != sha256_file(pulled):
         raise RuntimeError("the KV file pulled through S3 differs from the pushed one")
-    size = kv_file.stat().st_size
-    for row in ratio_rows("s3", size, {
-            "push": (push, push_rss, base_push, base_push_rss),
-            "pull": (pull, pull_rss, base_pull, base_pull_rss)},
-            {"stored_MB": round(stored / 1e6, 1), "compression": round(size / stored, 3),
-             "baseline": "boto3 upload_file/download_file of the stored blobs as one file"}):
+    size, stored = kv_file.stat().st_size, blobs.stat().st_size
+    for row in ratio_rows("s3", size, {"push": push, "pull": pull},
+                          {"stored_MB": round(stored / 1e6, 1),
+                           "compression": round(size / stored, 3), "rounds": rounds,
+                           "baseline": "boto3 upload_file/download_file of the stored "
+                                       "blobs as one file"}):
         report(row)
     shutil.rmtree(scratch, ignore_errors=True)
 
@@ -156,12 +209,13 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--workdir", type=Path, default=Path(".bench"))
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     from benchmarks.core import kv_file
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     run(args.workdir, kv_file(args.workdir, args.size_mib),
-        lambda row: print(json.dumps(row), flush=True))
+        lambda row: print(json.dumps(row), flush=True), args.rounds)
 
 
 if __name__ == "__main__":

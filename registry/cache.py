@@ -57,14 +57,15 @@ class Cache:
 
     # --- blobs -------------------------------------------------------------------------
 
-    def get(self, digest: Digest, size: int) -> Buffer | None:
-        """The verified decoded blob, or None (a bad entry is removed)."""
+    def get(self, digest: Digest, size: int, into: Buffer | None = None) -> Buffer | None:
+        """The verified decoded blob (decoded into `into` if given), or None (a bad entry
+        is removed)."""
         try:
             stored = self.blobs.get(digest)
         except LookupError:
             return None
         try:
-            _, data = decode_blob(stored, size)
+            _, data = decode_blob(stored, size, into)
             digest.check(Digest.of(data), f"cached blob {digest}")
         except IntegrityError:
             self.blobs.delete(digest)

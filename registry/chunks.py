@@ -79,6 +79,23 @@ def plan_chunks(layout: KVLayout, chunk_tokens: int) -> list[ChunkPlan]:
     return plans
 
 
+def uncovered(layout: KVLayout, plans: list[ChunkPlan]) -> str | None:
+    """None when the header, the token ids and the chunks' runs cover the file exactly once
+    (then a file rebuilt from them holds no byte from anywhere else); else what is wrong."""
+    spans = sorted([(0, layout.header_size),
+                    (layout.token_ids.begin, layout.token_ids.end - layout.token_ids.begin),
+                    *((r.file_offset, r.length) for p in plans for r in p.runs)])
+    pos = 0
+    for start, length in spans:
+        if start != pos:
+            return f"bytes {min(pos, start)}..{max(pos, start)} are " + (
+                "written twice" if start < pos else "covered by no blob")
+        pos += length
+    if pos != layout.file_size:
+        return f"the blobs cover {pos} bytes of a {layout.file_size}-byte file"
+    return None
+
+
 def gather(fd: int, plan: ChunkPlan, buf: bytearray) -> memoryview:
     """Read the chunk payload of `plan` from the KV file `fd` into `buf` (reused)."""
     size = plan.size

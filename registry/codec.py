@@ -8,6 +8,7 @@ bomb is refused before it allocates) and the caller hashes the result against it
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 from collections.abc import Callable
@@ -36,6 +37,10 @@ class Codec(Protocol):
         """Return exactly `size` bytes, or raise IntegrityError."""
         ...
 
+    def decode_into(self, body: memoryview, out: memoryview) -> None:
+        """Fill `out` (its length is the decoded size) exactly, or raise IntegrityError."""
+        ...
+
 
 class RawCodec:
     name = "raw"
@@ -47,6 +52,9 @@ class RawCodec:
         if body.nbytes != size:
             raise IntegrityError(f"raw blob holds {body.nbytes} bytes, expected {size}")
         return body
+
+    def decode_into(self, body: memoryview, out: memoryview) -> None:
+        out[:] = self.decode(body, out.nbytes)
 
 
 class ZstdCodec:
@@ -71,6 +79,10 @@ class ZstdCodec:
 
     def decode(self, body: memoryview, size: int) -> Buffer:
         return zstd_decode(body, size)
+
+    def decode_into(self, body: memoryview, out: memoryview) -> None:
+        # Payloads without float tensors (the only ones stored as plain zstd) are small.
+        out[:] = zstd_decode(body, out.nbytes)
 
 
 def zstd_decode(body: Buffer, size: int) -> bytes:
@@ -178,14 +190,31 @@ def parse_frame(stored: Buffer) -> tuple[str, int, memoryview]:
     return name, size, view[end:]
 
 
-def decode_blob(stored: Buffer, expected_size: int) -> tuple[str, Buffer]:
-    """Decode a stored blob to exactly `expected_size` bytes; returns (codec name, bytes)."""
+@functools.cache
+def _decoder(name: str) -> Codec:
+    # One instance per codec for every decode: its per-thread contexts and scratch buffers
+    # are then reused from blob to blob (fresh ones cost page faults on every chunk).
+    return get_codec(name)
+
+
+def decode_blob(stored: Buffer, expected_size: int, into: Buffer | None = None
+                ) -> tuple[str, Buffer]:
+    """Decode a stored blob to exactly `expected_size` bytes; returns (codec name, bytes).
+
+    With `into` (at least `expected_size` bytes, reused by the caller) the bytes are decoded
+    there and the result is a view of it."""
     name, size, body = parse_frame(stored)
-    codec = get_codec(name)
+    codec = _decoder(name)
     if size != expected_size:
         raise IntegrityError(
             f"stored blob declares {size} decoded bytes, expected {expected_size}"
         )
+    if into is not None:
+        view = memoryview(into).cast("B")[:size]
+        if view.nbytes != size:
+            raise ValueError(f"decode buffer holds {view.nbytes} bytes, {size} needed")
+        codec.decode_into(body, view)
+        return name, view
     out = codec.decode(body, size)
     if memoryview(out).nbytes != size:
         raise IntegrityError(f"codec {name} returned the wrong number of bytes")

@@ -1,25 +1,28 @@
 """Pull: fetch an artifact's blobs into the machine cache, verified, and rebuild the file.
 
 Every blob is decoded (bounded by the size the manifest declares) and hashed against its
-key before anything uses it; the rebuilt file is hashed again against the manifest before
-it is renamed into place, so nothing unverified is ever returned.
+key before anything uses it, so nothing unverified is ever returned. The rebuilt file is not
+read back: every byte of it is written from a verified blob (the header, the token ids, the
+chunks) at the place the verified header gives, and the plan is checked to cover the file
+exactly once (`chunks.uncovered`), so the file is the one whose digest the manifest records
+(push refuses a file that changes while it is read, the one way the two could differ).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from registry.blobstore.base import BlobStore
 from registry.cache import Cache
-from registry.chunks import ChunkPlan, plan_chunks, scatter_many
+from registry.chunks import ChunkPlan, plan_chunks, scatter_many, uncovered
 from registry.codec import decode_blob
 from registry.digest import Buffer, Digest
 from registry.errors import IntegrityError, NotFound, RegistryError
@@ -28,6 +31,7 @@ from registry.kvfile import KVLayout, parse_header
 from registry.manifest import BlobRef, Manifest
 
 Progress = Callable[[int], None]
+R = TypeVar("R")
 SCATTER_BATCH = 8  # decoded chunks held to coalesce their writes (memory: 8 chunks)
 
 
@@ -59,9 +63,10 @@ class Fetcher:
             else:
                 self._hits += 1
 
-    def get(self, ref: BlobRef) -> tuple[Buffer, int]:
-        """(decoded bytes, stored bytes transferred: 0 on a cache hit)."""
-        data = self.cache.get(ref.digest, ref.size)
+    def get(self, ref: BlobRef, into: Buffer | None = None) -> tuple[Buffer, int]:
+        """(decoded bytes, stored bytes transferred: 0 on a cache hit). With `into` (a
+        buffer of at least `ref.size` bytes) the bytes are decoded there."""
+        data = self.cache.get(ref.digest, ref.size, into)
         if data is not None:
             self._count(0)
             return data, 0
@@ -70,21 +75,23 @@ class Fetcher:
                            hint="pull it once online first")
         with self.cache.lock(ref.digest):
             # Another process may have fetched it while we waited for the lock.
-            data = self.cache.get(ref.digest, ref.size)
+            data = self.cache.get(ref.digest, ref.size, into)
             if data is not None:
                 self._count(0)
                 return data, 0
             stored = self.store.get(ref.digest)
-            data = verify_stored(ref, stored, self.store.url)
+            data = verify_stored(ref, stored, self.store.url, into)
             self.cache.put_stored(ref.digest, stored)
         self._count(len(stored))
         return data, len(stored)
 
 
-def verify_stored(ref: BlobRef, stored: Buffer, where: str) -> Buffer:
-    """Decode a stored blob and check it against its reference; IntegrityError names it."""
+def verify_stored(ref: BlobRef, stored: Buffer, where: str,
+                  into: Buffer | None = None) -> Buffer:
+    """Decode a stored blob (into `into` if given) and check it against its reference;
+    IntegrityError names it."""
     try:
-        _, data = decode_blob(stored, ref.size)
+        _, data = decode_blob(stored, ref.size, into)
         ref.digest.check(Digest.of(data), "decoded content")
     except IntegrityError as e:
         raise IntegrityError(
@@ -93,13 +100,68 @@ def verify_stored(ref: BlobRef, stored: Buffer, where: str) -> Buffer:
     return data
 
 
+class _Buffers:
+    """Decode buffers passed from the fetching threads to the writer and back: a fresh
+    buffer per chunk would cost a page fault per 4 KiB of every chunk. Never blocks: when
+    none is free a new one is made, and at most `keep` are kept."""
+
+    def __init__(self, size: int, keep: int) -> None:
+        self._size, self._keep = size, keep
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> bytearray:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return bytearray(self._size)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < self._keep:
+                self._free.append(buf)
+
+
+class _Flusher:
+    """Writes the rebuilt file back to disk while it is still being written, one
+    fdatasync at a time in a thread of its own: the fsync before the rename then finds
+    little left to do instead of the whole file (measured on 1 GiB: 0.45 s down to 0.02 s).
+    Leaving the block waits for the flush in flight, so the fd is never closed under it."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvgraft-flush")
+        self._pending: Future[None] | None = None
+
+    def __enter__(self) -> _Flusher:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self._pool.shutdown()
+        if kind is None and self._pending is not None:
+            self._pending.result()
+
+    def nudge(self) -> None:
+        if self._pending is None or self._pending.done():
+            if self._pending is not None:
+                self._pending.result()  # a failed flush fails the pull
+            self._pending = self._pool.submit(os.fdatasync, self._fd)
+
+
 def fetch(manifest: Manifest, fetcher: Fetcher, *, workers: int = 2,
           progress: Progress | None = None) -> FetchStats:
     """Make sure every blob of `manifest` is in the cache (present entries are trusted
     here and verified whenever they are read)."""
     blobs = manifest.blobs()
     missing = [b for b in blobs if not fetcher.cache.has(b.digest)]
-    for ref, _ in _map(fetcher.get, missing, workers):
+    buffers = _Buffers(max((b.size for b in missing), default=0), workers)
+
+    def verified(ref: BlobRef) -> None:
+        buf = buffers.take()
+        fetcher.get(ref, buf)
+        buffers.give(buf)
+
+    for ref, _ in _map(verified, missing, workers):
         if progress:
             progress(ref.size)
     if progress:
@@ -108,8 +170,8 @@ def fetch(manifest: Manifest, fetcher: Fetcher, *, workers: int = 2,
     return FetchStats(stats.fetched, stats.fetched_bytes, stats.cached + len(blobs) - len(missing))
 
 
-def _map(fn: Callable[[BlobRef], tuple[Buffer, int]], refs: list[BlobRef],
-         workers: int) -> Iterator[tuple[BlobRef, tuple[Buffer, int]]]:
+def _map(fn: Callable[[BlobRef], R], refs: list[BlobRef],
+         workers: int) -> Iterator[tuple[BlobRef, R]]:
     with ThreadPoolExecutor(workers, thread_name_prefix="kvgraft-pull") as pool:
         window = 2 * workers
         futs = [(r, pool.submit(fn, r)) for r in refs[:window]]
@@ -121,20 +183,6 @@ def _map(fn: Callable[[BlobRef], tuple[Buffer, int]], refs: list[BlobRef],
                 futs.append((refs[nxt], pool.submit(fn, refs[nxt])))
                 nxt += 1
             yield ref, result
-
-
-def file_digest_of(fd: int, size: int, block: int = 8 << 20) -> Digest:
-    h = hashlib.sha256()
-    buf = bytearray(block)
-    view = memoryview(buf)
-    pos = 0
-    while pos < size:
-        n = os.preadv(fd, [view[: min(block, size - pos)]], pos)
-        if n <= 0:
-            raise IntegrityError("rebuilt file is shorter than its manifest says")
-        h.update(view[:n])
-        pos += n
-    return Digest.from_hasher(h)
 
 
 def layout_of(manifest: Manifest, header: Buffer) -> KVLayout:
@@ -157,6 +205,9 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int =
     if [(p.start, p.end, p.size) for p in plans] != \
             [(c.start, c.end, c.size) for c in manifest.chunks]:
         raise IntegrityError(f"manifest {manifest.digest} chunks do not match its header")
+    gap = uncovered(layout, plans)
+    if gap is not None:
+        raise IntegrityError(f"artifact {manifest.digest} cannot be rebuilt: {gap}")
     plan_of = {c.digest: p for c, p in zip(manifest.chunks, plans, strict=True)}
     places: dict[Digest, list[int]] = {}
     for i, c in enumerate(manifest.chunks):
@@ -170,29 +221,36 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int =
         os.pwrite(fd, tokens, layout.token_ids.begin)
 
         chunk_refs = [BlobRef(d, plan_of[d].size) for d in places]
+        # Enough buffers for the chunks in flight and those held for one batched write.
+        buffers = _Buffers(max((r.size for r in chunk_refs), default=0),
+                           2 * workers + SCATTER_BATCH)
+
+        def decoded(ref: BlobRef) -> tuple[memoryview, bytearray]:
+            buf = buffers.take()
+            return memoryview(fetcher.get(ref, buf)[0]), buf
+
         batch: list[tuple[ChunkPlan, memoryview]] = []
-        for ref, (data, _) in _map(fetcher.get, chunk_refs, workers):
-            view = memoryview(data)
-            for i in places[ref.digest]:
-                plan = plans[i]
-                if bytes(view[: len(plan.header)]) != plan.header:
-                    raise IntegrityError(f"chunk {ref.digest} does not have the layout its "
-                                         "manifest describes")
-                batch.append((plan, view))
-            if len(batch) >= SCATTER_BATCH:
-                scatter_many(fd, batch)
-                batch.clear()
-            if progress:
-                progress(ref.size * len(places[ref.digest]))
-        scatter_many(fd, batch)
-        # Every chunk was verified on the way in; this pass checks the assembly itself.
-        # The file digest covers each tensor's bytes, so tensor digests need no second pass.
-        # Flushing to disk and re-reading from the page cache overlap (both drop the GIL).
-        with ThreadPoolExecutor(1, thread_name_prefix="kvgraft-fsync") as pool:
-            synced = pool.submit(os.fsync, fd)
-            digest = file_digest_of(fd, manifest.file_size)
-            synced.result()
-        manifest.file_digest.check(digest, f"rebuilt file {output}")
+        held: list[bytearray] = []
+        with _Flusher(fd) as flusher:
+            for ref, (view, buf) in _map(decoded, chunk_refs, workers):
+                held.append(buf)
+                for i in places[ref.digest]:
+                    plan = plans[i]
+                    if bytes(view[: len(plan.header)]) != plan.header:
+                        raise IntegrityError(f"chunk {ref.digest} does not have the layout "
+                                             "its manifest describes")
+                    batch.append((plan, view))
+                if len(batch) >= SCATTER_BATCH:
+                    scatter_many(fd, batch)
+                    batch.clear()
+                    for buf in held:
+                        buffers.give(buf)
+                    held.clear()
+                    flusher.nudge()
+                if progress:
+                    progress(ref.size * len(places[ref.digest]))
+            scatter_many(fd, batch)
+        os.fsync(fd)
         os.close(fd)
         fd = -1
         os.replace(tmp, output)

@@ -20,7 +20,7 @@ from registry.catalog.records import BlobRecord
 from registry.chunks import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkPlan, gather, plan_chunks
 from registry.codec import DEFAULT_CODEC, Selector, codec_selector, frame, parse_frame
 from registry.digest import Buffer, Digest
-from registry.errors import IntegrityError, NotFound, UsageError
+from registry.errors import IntegrityError, InvalidKVFile, NotFound, UsageError
 from registry.kvfile import KVLayout, hash_file, read_layout
 from registry.manifest import BlobRef, ChunkRef, LayerRef, Manifest
 from registry.prefix import prefix_keys
@@ -95,6 +95,10 @@ class _Uploader:
 
 def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,
                    progress: Progress | None = None) -> Upload:
+    try:
+        before: tuple[int, int, int, int] | None = _stamp(path)
+    except OSError:
+        before = None  # read_layout says what is wrong with the path
     layout = read_layout(path)
     plans = plan_chunks(layout, options.chunk_tokens)
     uploader = _Uploader(store, codec_selector(options.codec, options.level))
@@ -109,6 +113,12 @@ def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,
                                                  progress)
             extra = [uploader.put(Digest.of(b), b) for b in (header, tokens)]
             file_digest, tensor_digests = hashed.result()
+        # The file digest and the chunks come from two reads of the file: if it was written
+        # in between they could disagree, and pull (which rebuilds from the chunks) would
+        # give back a file other than the one the manifest names.
+        if _stamp(fd) != before:
+            raise InvalidKVFile(f"{path} changed while it was being pushed",
+                                hint="push it again once nothing is writing to it")
     finally:
         os.close(fd)
     records += extra
@@ -118,6 +128,11 @@ def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,
     unique = {r.digest: r for r, _ in records}
     new = [r for r, stored in records if stored]
     return Upload(manifest, tuple(unique.values()), len(new), sum(r.stored_size for r in new))
+
+
+def _stamp(file: str | Path | int) -> tuple[int, int, int, int]:
+    st = os.stat(file)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _upload_chunks(fd: int, plans: Sequence[ChunkPlan], keys: Sequence[Digest],

@@ -154,6 +154,22 @@ def test_declared_size_must_match(name: str) -> None:
             decode_blob(lying, wrong)
 
 
+@pytest.mark.parametrize("name", ["raw", "zstd", bytegroup.NAME])
+def test_decode_into_a_reused_buffer(name: str) -> None:
+    data = sample_payload()[:100_001]
+    blob = stored(name, data)
+    buf = bytearray(len(data) + 64)  # larger than needed, as a pooled buffer may be
+    for _ in range(2):
+        buf[:] = b"\xee" * len(buf)
+        got_name, out = decode_blob(blob, len(data), buf)
+        view = memoryview(out)
+        assert got_name == name and bytes(view) == data and view.obj is buf
+    with pytest.raises(IntegrityError):  # the declared size is still checked first
+        decode_blob(blob, len(data) - 1, buf)
+    with pytest.raises(ValueError, match="decode buffer"):
+        decode_blob(blob, len(data), bytearray(len(data) - 1))
+
+
 def test_bomb_is_refused_before_allocating() -> None:
     # A body that claims a 2**60-byte segment, for a caller that expects 10 bytes.
     body = struct.pack("<BI", 1, 1) + struct.pack("<BBQ", 1, 0, 1 << 60) + \

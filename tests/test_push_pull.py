@@ -285,3 +285,72 @@ def test_push_reads_the_file_in_bounded_memory(tmp_path: Path) -> None:
         os.close(fd)
     assert max(sizes) < layout.file_size / 7
     assert len(buf) == max(sizes)  # one reused buffer
+
+
+def test_file_changed_during_push_is_refused(make_registry: RegistryFactory, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # The file digest and the chunks come from two reads; a write in between must not
+    # publish a manifest whose chunks rebuild some other file.
+    import registry.push
+    from registry.errors import InvalidKVFile
+
+    reg = make_registry()
+    src = write_synthetic(tmp_path / "a.kv", tokens=600)
+    real_hash = registry.push.hash_file
+
+    def hash_then_write(fd: int, layout: object) -> object:
+        result = real_hash(fd, layout)  # type: ignore[arg-type]
+        with open(src, "r+b") as f:
+            f.seek(-16, os.SEEK_END)
+            f.write(b"\x01" * 16)
+        return result
+
+    monkeypatch.setattr(registry.push, "hash_file", hash_then_write)
+    with pytest.raises(InvalidKVFile, match="changed while it was being pushed"):
+        reg.push(src, "t/a")
+    assert reg.catalog.artifact_digests() == []
+    monkeypatch.setattr(registry.push, "hash_file", real_hash)
+    digest = reg.push(src, "t/a").digest  # once it holds still, it pushes
+    reg.pull("t/a", tmp_path / "b.kv")
+    assert sha(tmp_path / "b.kv") == sha(src) == reg.manifest(digest).file_digest.hex
+
+
+def test_identical_chunks_are_fetched_once_and_written_everywhere(
+        make_registry: RegistryFactory, tmp_path: Path) -> None:
+    # One blob for many chunks: its decode buffer must stay alive until every place of it
+    # is written, across batched writes.
+    from registry.kvfile import RawTensor, write_kvfile
+    from registry.sample import synthetic_identity
+
+    heads, dim, tokens, chunk = 2, 8, 40 * 16, 16
+    row = bytes(range(dim)) * 2  # BF16: dim values of 2 bytes, the same for every token
+    data = row * (heads * tokens)
+    layers = [(RawTensor("BF16", (heads, tokens, dim), data),
+               RawTensor("BF16", (heads, tokens, dim), data), 0) for _ in range(2)]
+    src = write_kvfile(tmp_path / "same.kv", layers, [7] * tokens, synthetic_identity("same"))
+    reg = make_registry()
+    digest = reg.push(src, "t/same", options=PushOptions(chunk_tokens=chunk)).digest
+    manifest = reg.manifest(digest)
+    assert len(manifest.chunks) == 40 and len({c.digest for c in manifest.chunks}) == 1
+    pulled = reg.pull("t/same", tmp_path / "out.kv")
+    assert sha(tmp_path / "out.kv") == sha(src)
+    assert pulled.stats.fetched == 3  # header, tokens, the one chunk blob
+
+
+def test_chunk_plans_cover_the_file_exactly_once(tmp_path: Path) -> None:
+    import dataclasses
+
+    from registry.chunks import plan_chunks, uncovered
+    from registry.kvfile import read_layout
+
+    layout = read_layout(write_synthetic(tmp_path / "a.kv", tokens=700, num_layers=3,
+                                         window=90, sliding=[0, 2]))
+    for chunk in (1, 7, 256, 700, 4096):
+        assert uncovered(layout, plan_chunks(layout, chunk)) is None
+    plans = plan_chunks(layout, 256)
+    first = plans[0]
+    dropped = [dataclasses.replace(first, runs=first.runs[1:]), *plans[1:]]
+    assert "covered by no blob" in str(uncovered(layout, dropped))
+    doubled = [dataclasses.replace(first, runs=first.runs + first.runs[:1]), *plans[1:]]
+    assert "written twice" in str(uncovered(layout, doubled))
+    assert "cover" in str(uncovered(layout, plans[:-1]))
