@@ -40,6 +40,7 @@ import zstandard
 
 from registry.digest import Buffer
 from registry.errors import IntegrityError, UsageError
+from registry.zstdframe import decode_frame
 
 NAME = "zstd-bytegroup"
 BODY_VERSION = 1
@@ -229,20 +230,8 @@ class _Zstd:
 
     def decompress_into(self, src: memoryview, dst: U8Array) -> None:
         """Decode exactly one frame holding exactly dst.size bytes into `dst`."""
-        n = dst.size
-        try:
-            declared = zstandard.get_frame_parameters(src).content_size
-        except zstandard.ZstdError as e:
-            raise IntegrityError(f"corrupt zstd plane: {e}") from None
-        if declared != n:
-            raise IntegrityError(f"zstd plane declares {declared} bytes, expected {n}")
-        try:
-            raw: bytes = self._dctx.decompress(src, max_output_size=n, allow_extra_data=False)
-        except zstandard.ZstdError as e:
-            raise IntegrityError(f"corrupt zstd plane: {e}") from None
-        if len(raw) != n:
-            raise IntegrityError(f"zstd plane decoded to {len(raw)} bytes, expected {n}")
-        dst[:] = np.frombuffer(raw, np.uint8)
+        dst[:] = np.frombuffer(decode_frame(src, dst.size, what="plane", dctx=self._dctx),
+                               np.uint8)
 
 
 try:

@@ -19,6 +19,7 @@ import zstandard
 from registry import bytegroup
 from registry.digest import Buffer
 from registry.errors import IntegrityError, UnknownCodec, UsageError
+from registry.zstdframe import decode_frame
 
 MAGIC = b"KVGB"
 FRAME_VERSION = 1
@@ -78,39 +79,11 @@ class ZstdCodec:
         return self._cctx().compress(data)
 
     def decode(self, body: memoryview, size: int) -> Buffer:
-        return zstd_decode(body, size)
+        return decode_frame(body, size)
 
     def decode_into(self, body: memoryview, out: memoryview) -> None:
         # Payloads without float tensors (the only ones stored as plain zstd) are small.
-        out[:] = zstd_decode(body, out.nbytes)
-
-
-def zstd_decode(body: Buffer, size: int) -> bytes:
-    """Decode one zstd frame that must hold exactly `size` bytes; shared by codecs."""
-    try:
-        declared = zstandard.get_frame_parameters(body).content_size
-    except zstandard.ZstdError as e:
-        raise IntegrityError(f"corrupt zstd frame: {e}") from None
-    if declared != size:
-        raise IntegrityError(f"zstd frame declares {declared} bytes, expected {size}")
-    try:
-        if size == 0:
-            # One-shot decompression of a frame that declares no content returns b"" without
-            # reading it; a streaming decoder has to reach the end of the frame.
-            obj = zstandard.ZstdDecompressor().decompressobj()
-            out: bytes = obj.decompress(body)
-            if not obj.eof or obj.unused_data:
-                raise IntegrityError("zstd frame is truncated or has trailing data")
-            return out
-        # The output buffer is exactly `size`: a frame that lies about its size fails here
-        # instead of allocating whatever it claims.
-        out = zstandard.ZstdDecompressor().decompress(body, max_output_size=size,
-                                                      allow_extra_data=False)
-    except zstandard.ZstdError as e:
-        raise IntegrityError(f"corrupt zstd data: {e}") from None
-    if len(out) != size:
-        raise IntegrityError(f"zstd data decoded to {len(out)} bytes, expected {size}")
-    return out
+        out[:] = decode_frame(body, out.nbytes)
 
 
 CodecFactory = Callable[[int | None], Codec]
