@@ -19,9 +19,12 @@ $(STAMP): pyproject.toml
 	touch $@
 
 lint: venv
-	$(BIN)/ruff check registry cli tests benchmarks migrations
+	$(BIN)/ruff check registry cli tests benchmarks migrations scripts
 
 typecheck: venv
+	rm -rf build/typecheck && mkdir -p build/typecheck/kvgraft
+	for f in registry/*; do ln -s "$$PWD/$$f" build/typecheck/kvgraft/; done
+	ln -s "$$PWD/cli" build/typecheck/kvgraft/cli
 	$(BIN)/mypy
 
 pytest: venv

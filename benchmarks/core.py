@@ -28,7 +28,7 @@ LAYERS, HEADS, DIM = 30, 3, 64
 
 def kv_file(workdir: Path, size_mib: int) -> Path:
     """The benchmark input, written once per size and reused."""
-    from registry.sample import write_synthetic
+    from kvgraft.sample import write_synthetic
 
     path = workdir / f"bench-{size_mib}MiB-bf16.kv"
     if not path.exists():
@@ -112,14 +112,14 @@ def baseline_pull(src: Path, dst: Path) -> dict[str, Any]:
 
 
 def _registry(home: Path, cache: Path) -> Any:
-    from registry.client import Registry
-    from registry.config import Config
+    from kvgraft.client import Registry
+    from kvgraft.config import Config
 
     return Registry(Config.from_env({"KVGRAFT_HOME": str(home), "KVGRAFT_CACHE": str(cache)}))
 
 
 def kvgraft_push(src: Path, home: Path) -> dict[str, Any]:
-    from registry.push import PushOptions
+    from kvgraft.push import PushOptions
 
     reg = _registry(home, home / "cache")
     reg.catalog  # noqa: B018  (open and migrate the catalog outside the timed region)

@@ -30,8 +30,8 @@ THREADS = (1, 2)
 
 
 def _registry(root: Path) -> Any:
-    from registry.client import Registry
-    from registry.config import Config
+    from kvgraft.client import Registry
+    from kvgraft.config import Config
 
     return Registry(Config.from_env({"KVGRAFT_HOME": str(root / "home"),
                                      "KVGRAFT_CACHE": str(root / "cache")}))
@@ -39,7 +39,7 @@ def _registry(root: Path) -> Any:
 
 def document_tokens(tokenizer: Any, n: int) -> list[int]:
     """The first n tokens of the shipped document, repeated if it is shorter."""
-    from registry.integrations.transformers import tokenize
+    from kvgraft.integrations.transformers import tokenize
 
     base = tokenize(tokenizer, DOC.read_text(encoding="utf-8"))
     return (base * (n // len(base) + 1))[:n]
@@ -47,8 +47,8 @@ def document_tokens(tokenizer: Any, n: int) -> list[int]:
 
 def graft_rows(workdir: Path, sizes: tuple[int, ...], threads: tuple[int, ...],
                report: Callable[[dict[str, Any]], None]) -> None:
-    from registry.integrations.transformers import capture, load_graft, load_model, set_threads
-    from registry.integrations.transformers.capture import prefill
+    from kvgraft.integrations.transformers import capture, load_graft, load_model, set_threads
+    from kvgraft.integrations.transformers.capture import prefill
 
     root = workdir / "graft"
     reg = _registry(root)
@@ -87,10 +87,10 @@ def match_row(workdir: Path, report: Callable[[dict[str, Any]], None],
     push one real artifact, and time the lookup of a prompt that extends it."""
     import shutil
 
-    from registry.catalog.models import ArtifactChunkRow, ArtifactRow, BlobRow, ModelRow
-    from registry.match import match
-    from registry.push import PushOptions
-    from registry.sample import synthetic_identity, write_synthetic
+    from kvgraft.catalog.models import ArtifactChunkRow, ArtifactRow, BlobRow, ModelRow
+    from kvgraft.match import match
+    from kvgraft.push import PushOptions
+    from kvgraft.sample import synthetic_identity, write_synthetic
 
     root = workdir / "match"
     shutil.rmtree(root, ignore_errors=True)

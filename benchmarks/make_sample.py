@@ -17,8 +17,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from registry.kvfile import RawTensor, write_kvfile
-from registry.sample import synthetic_identity
+from kvgraft.kvfile import RawTensor, write_kvfile
+from kvgraft.sample import synthetic_identity
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (

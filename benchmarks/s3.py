@@ -42,8 +42,8 @@ BASELINE_KEY = "baseline/blobs.bin"
 
 
 def _registry(home: Path, cache: Path, prefix: str) -> Any:
-    from registry.client import Registry
-    from registry.config import Config
+    from kvgraft.client import Registry
+    from kvgraft.config import Config
 
     # The catalog is the embedded SQLite one under home; the blobs go to the bucket.
     return Registry(Config.from_env({"KVGRAFT_HOME": str(home), "KVGRAFT_CACHE": str(cache),

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import click
 
-from cli.manage import parse_duration
-from cli.output import emit_json, emit_table, err, human_bytes
-from registry.audit import AuditReport
-from registry.client import Registry
-from registry.errors import IntegrityError, Unavailable, UsageError
-from registry.fsutil import atomic_writer
-from registry.reference import Reference
+from kvgraft.audit import AuditReport
+from kvgraft.cli.manage import parse_duration
+from kvgraft.cli.output import emit_json, emit_table, err, human_bytes
+from kvgraft.client import Registry
+from kvgraft.errors import IntegrityError, Unavailable, UsageError
+from kvgraft.fsutil import atomic_writer
+from kvgraft.reference import Reference
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 

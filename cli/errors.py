@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from registry.errors import RegistryError, Unavailable
+from kvgraft.errors import RegistryError, Unavailable
 
 EXIT_INTERRUPTED = 130
 

@@ -11,10 +11,10 @@ from typing import Any, TypeVar
 
 import click
 
-from cli.output import emit_json, err
-from registry.client import Registry
-from registry.errors import UsageError
-from registry.reference import Reference
+from kvgraft.cli.output import emit_json, err
+from kvgraft.client import Registry
+from kvgraft.errors import UsageError
+from kvgraft.reference import Reference
 
 F = TypeVar("F", bound=Callable[..., Any])
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -50,15 +50,15 @@ def _text(text: str | None, text_file: Path | None) -> str:
 
 
 def _load(reg: Registry, spec: str, dtype: str | None, threads: int | None) -> Any:
-    from registry.integrations.transformers import load_model, set_threads
+    from kvgraft.integrations.transformers import load_model, set_threads
 
     set_threads(threads)
     return load_model(spec, cache_dir=reg.config.cache_dir, dtype=dtype.upper() if dtype else None)
 
 
 def _fingerprint_dir(reg: Registry, spec: str, dtype: str | None) -> Any:
-    from registry.fingerprint import fingerprint_dir
-    from registry.integrations.transformers.models import resolve_model_dir
+    from kvgraft.fingerprint import fingerprint_dir
+    from kvgraft.integrations.transformers.models import resolve_model_dir
 
     path = resolve_model_dir(spec, reg.config.cache_dir, dtype.upper() if dtype else None)
     return fingerprint_dir(path, dtype=dtype.upper() if dtype else None,
@@ -104,9 +104,9 @@ def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None
     """Run the prefill of a text on a model and push its KV cache as REF."""
     import tempfile
 
-    from cli.main import _labels
-    from registry.integrations.transformers import capture, chat_tokens
-    from registry.push import PushOptions
+    from kvgraft.cli.main import _labels
+    from kvgraft.integrations.transformers import capture, chat_tokens
+    from kvgraft.push import PushOptions
 
     reg = _registry(ctx)
     reference = Reference.parse(ref)
@@ -142,7 +142,7 @@ def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None
 def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               threads: int | None, as_json: bool) -> None:
     """Report whether the graft REF belongs to a model (exit 5 when it does not)."""
-    from registry.compat import compare
+    from kvgraft.compat import compare
 
     reg = _registry(ctx)
     reference = Reference.parse(ref)
@@ -175,7 +175,7 @@ def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               max_new_tokens: int, force_incompatible: bool, require_verified: bool,
               as_json: bool) -> None:
     """Generate from a prompt with the graft REF restored instead of its prefill."""
-    from registry.integrations.transformers import graft_generate
+    from kvgraft.integrations.transformers import graft_generate
 
     reg = _registry(ctx)
     prompt = _text(text, text_file)
@@ -211,8 +211,8 @@ def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str |
                      as_json: bool) -> None:
     """Check that REF grafted gives logits byte-identical to the fresh two-step computation
     (exit 4 when not); a pass is stored as an attestation on the artifact."""
-    from registry.errors import IntegrityError
-    from registry.integrations.transformers import verify_graft
+    from kvgraft.errors import IntegrityError
+    from kvgraft.integrations.transformers import verify_graft
 
     reg = _registry(ctx)
     lm = _load(reg, model_spec, dtype, threads)
@@ -262,12 +262,12 @@ def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: i
     """Find the artifact holding the longest cached prefix of a text for a model."""
     from transformers import AutoTokenizer
 
-    from registry.integrations.transformers.capture import tokenize
-    from registry.match import match
+    from kvgraft.integrations.transformers.capture import tokenize
+    from kvgraft.match import match
 
     reg = _registry(ctx)
     fp = _fingerprint_dir(reg, model_spec, dtype)
-    from registry.integrations.transformers.models import resolve_model_dir
+    from kvgraft.integrations.transformers.models import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_spec, reg.config.cache_dir))
     ids = tokenize(tokenizer, _text(text, text_file))

@@ -8,16 +8,16 @@ from typing import Any
 
 import click
 
-from cli import audit, graft, manage
-from cli.errors import run_guarded
-from cli.output import emit_json, emit_table, err, human_bytes, progress_bar
-from registry import __version__
-from registry.client import Registry
-from registry.codec import DEFAULT_CODEC, push_codec_names
-from registry.config import Config
-from registry.errors import IntegrityError, UsageError
-from registry.push import PushOptions
-from registry.reference import Reference
+from kvgraft import __version__
+from kvgraft.cli import audit, graft, manage
+from kvgraft.cli.errors import run_guarded
+from kvgraft.cli.output import emit_json, emit_table, err, human_bytes, progress_bar
+from kvgraft.client import Registry
+from kvgraft.codec import DEFAULT_CODEC, push_codec_names
+from kvgraft.config import Config
+from kvgraft.errors import IntegrityError, UsageError
+from kvgraft.push import PushOptions
+from kvgraft.reference import Reference
 
 
 class GuardedGroup(click.Group):
@@ -237,8 +237,8 @@ def db() -> None:
 @click.pass_context
 def db_upgrade(ctx: click.Context) -> None:
     """Migrate the catalog to this kvgraft's schema."""
-    from registry.catalog import Catalog
-    from registry.catalog.schema import head_revision
+    from kvgraft.catalog import Catalog
+    from kvgraft.catalog.schema import head_revision
 
     reg = _registry(ctx)
     catalog = Catalog.open(reg.config.catalog_url, auto_upgrade=True)
@@ -251,9 +251,9 @@ def db_upgrade(ctx: click.Context) -> None:
 @click.pass_context
 def db_current(ctx: click.Context, as_json: bool) -> None:
     """Print the catalog's schema revision and the one this kvgraft needs."""
-    from registry.catalog import Catalog
-    from registry.catalog.engine import make_engine, safe_url
-    from registry.catalog.schema import head_revision
+    from kvgraft.catalog import Catalog
+    from kvgraft.catalog.engine import make_engine, safe_url
+    from kvgraft.catalog.schema import head_revision
 
     reg = _registry(ctx)
     catalog = Catalog(make_engine(reg.config.catalog_url), reg.config.catalog_url)

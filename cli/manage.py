@@ -7,12 +7,12 @@ from pathlib import Path
 
 import click
 
-from cli.output import emit_json, emit_table, err, human_bytes
-from registry.client import Registry
-from registry.config import Config
-from registry.errors import UsageError
-from registry.reference import Reference
-from registry.remotes import Remote, add_remote, load_remotes, remove_remote
+from kvgraft.cli.output import emit_json, emit_table, err, human_bytes
+from kvgraft.client import Registry
+from kvgraft.config import Config
+from kvgraft.errors import UsageError
+from kvgraft.reference import Reference
+from kvgraft.remotes import Remote, add_remote, load_remotes, remove_remote
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
@@ -64,7 +64,7 @@ def remote_ls(ctx: click.Context, as_json: bool) -> None:
             emit_json({"name": r.name, "catalog": r.catalog_url, "store": r.blob_url,
                        "cache": str(r.cache_dir) if r.cache_dir else None})
         return
-    from registry.catalog.engine import safe_url
+    from kvgraft.catalog.engine import safe_url
 
     emit_table(["NAME", "CATALOG", "STORE", "CACHE"],
                [(r.name, safe_url(r.catalog_url), r.blob_url, r.cache_dir or "-")

@@ -13,16 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from registry.blobstore.base import BlobStore
-from registry.catalog import ArtifactRecord, Catalog, EventRecord
-from registry.catalog.audit import ChainReport
-from registry.digest import Digest
-from registry.errors import IntegrityError, NotFound
-from registry.manifest import Manifest
-from registry.provenance.keys import PublicKey
-from registry.provenance.policy import AttestationStatus, assess_all
-from registry.provenance.statement import Origin, Statement, provenance_statement
-from registry.verify import VerifyReport, verify_artifact
+from kvgraft.blobstore.base import BlobStore
+from kvgraft.catalog import ArtifactRecord, Catalog, EventRecord
+from kvgraft.catalog.audit import ChainReport
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError, NotFound
+from kvgraft.manifest import Manifest
+from kvgraft.provenance.keys import PublicKey
+from kvgraft.provenance.policy import AttestationStatus, assess_all
+from kvgraft.provenance.statement import Origin, Statement, provenance_statement
+from kvgraft.verify import VerifyReport, verify_artifact
 
 MAX_DEPTH = 64  # lineage deeper than this is cut (and said so), not followed forever
 

@@ -38,9 +38,9 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
-from registry.digest import Buffer
-from registry.errors import IntegrityError, UsageError
-from registry.zstdframe import decode_frame
+from kvgraft.digest import Buffer
+from kvgraft.errors import IntegrityError, UsageError
+from kvgraft.zstdframe import decode_frame
 
 NAME = "zstd-bytegroup"
 BODY_VERSION = 1

@@ -19,14 +19,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from registry.blobstore.base import blob_path
-from registry.blobstore.local import LocalBlobStore
-from registry.codec import RawCodec, decode_blob, frame
-from registry.digest import Buffer, Digest
-from registry.errors import IntegrityError, UsageError
-from registry.fsutil import atomic_writer
-from registry.manifest import Manifest
-from registry.reference import Reference
+from kvgraft.blobstore.base import blob_path
+from kvgraft.blobstore.local import LocalBlobStore
+from kvgraft.codec import RawCodec, decode_blob, frame
+from kvgraft.digest import Buffer, Digest
+from kvgraft.errors import IntegrityError, UsageError
+from kvgraft.fsutil import atomic_writer
+from kvgraft.manifest import Manifest
+from kvgraft.reference import Reference
 
 
 @dataclass(frozen=True, slots=True)

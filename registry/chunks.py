@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from registry.kvfile import KVLayout, TensorInfo, safetensors_header
+from kvgraft.kvfile import KVLayout, TensorInfo, safetensors_header
 
 DEFAULT_CHUNK_TOKENS = 256
 _IOV_MAX = 1024

@@ -11,25 +11,25 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from registry.blobstore import BlobStore, open_store
-from registry.cache import Cache
-from registry.catalog import ArtifactRecord, Catalog, EventRecord, PushRecord, TagRecord
-from registry.catalog.records import AttestationRecord, BlobRecord
-from registry.config import Config, actor
-from registry.digest import Digest
-from registry.errors import IntegrityError, NotFound, UsageError
-from registry.identity import ModelIdentity
-from registry.manifest import Manifest
-from registry.pull import Fetcher, FetchStats, Progress, export, fetch
-from registry.push import PushOptions, build_artifact
-from registry.reference import Reference, check_name
-from registry.transfer import CopyStats, copy_blobs
-from registry.verify import VerifyReport, verify_artifact
+from kvgraft.blobstore import BlobStore, open_store
+from kvgraft.cache import Cache
+from kvgraft.catalog import ArtifactRecord, Catalog, EventRecord, PushRecord, TagRecord
+from kvgraft.catalog.records import AttestationRecord, BlobRecord
+from kvgraft.config import Config, actor
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError, NotFound, UsageError
+from kvgraft.identity import ModelIdentity
+from kvgraft.manifest import Manifest
+from kvgraft.pull import Fetcher, FetchStats, Progress, export, fetch
+from kvgraft.push import PushOptions, build_artifact
+from kvgraft.reference import Reference, check_name
+from kvgraft.transfer import CopyStats, copy_blobs
+from kvgraft.verify import VerifyReport, verify_artifact
 
 if TYPE_CHECKING:
-    from registry.audit import AuditReport
-    from registry.gc import GcPlan, GcResult
-    from registry.provenance import Keyring, Statement
+    from kvgraft.audit import AuditReport
+    from kvgraft.gc import GcPlan, GcResult
+    from kvgraft.provenance import Keyring, Statement
 
 _LABEL_KEY_MAX = 255
 
@@ -269,7 +269,7 @@ class Registry:
 
     @cached_property
     def keyring(self) -> Keyring:
-        from registry.provenance import Keyring
+        from kvgraft.provenance import Keyring
 
         return Keyring(self.config.home)
 
@@ -292,8 +292,8 @@ class Registry:
                    ) -> tuple[Statement, tuple[AttestationRecord, ...]]:
         """The kvgraft provenance statement of the artifact `ref` names (derived from its
         manifest and first push), and the attestations stored about it."""
-        from registry.audit import origin
-        from registry.provenance import Statement, provenance_statement
+        from kvgraft.audit import origin
+        from kvgraft.provenance import Statement, provenance_statement
 
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
         digest = self.resolve(ref)
@@ -312,7 +312,7 @@ class Registry:
     def sign(self, ref: Reference | str, key: str) -> tuple[Digest, str, int]:
         """Sign the provenance statement of `ref` with the keyring's key `key`; stores the
         DSSE envelope as an attestation. Returns (digest, keyid, attestation id)."""
-        from registry.provenance import PROVENANCE, sign_statement
+        from kvgraft.provenance import PROVENANCE, sign_statement
 
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
         signer = self.keyring.signer(key)
@@ -337,30 +337,30 @@ class Registry:
         return self.catalog.add_attestation(att, event)
 
     def audit(self, ref: Reference | str, *, workers: int = 2) -> AuditReport:
-        from registry.audit import audit
+        from kvgraft.audit import audit
 
         return audit(self.catalog, self.store, self.resolve(ref), self.keyring.trusted(),
                      workers=workers)
 
     def gc_plan(self, *, grace: float | None = None,
                 untagged_older_than: float | None = None) -> GcPlan:
-        from registry.gc import DEFAULT_GRACE, plan
+        from kvgraft.gc import DEFAULT_GRACE, plan
 
         return plan(self.catalog, self.store,
                     grace=DEFAULT_GRACE if grace is None else grace,
                     untagged_older_than=untagged_older_than)
 
     def gc(self, gc_plan: GcPlan) -> GcResult:
-        from registry.gc import execute
+        from kvgraft.gc import execute
 
         return execute(self.catalog, self.store, gc_plan,
                        self._event("gc", detail={"store": self.store.url}))
 
     def _enforce_policy(self, ref: Reference, digest: Digest, manifest: Manifest,
                         signed_by: Sequence[str], verified: bool | ModelIdentity) -> None:
-        from registry.provenance import PolicyRefused, load_policy
-        from registry.provenance import require_signed_by as signed_check
-        from registry.provenance import require_verified as verified_check
+        from kvgraft.provenance import PolicyRefused, load_policy
+        from kvgraft.provenance import require_signed_by as signed_check
+        from kvgraft.provenance import require_verified as verified_check
 
         policy = load_policy(self.config.home, self.keyring)
         keyids = tuple(self.keyring.resolve(k) for k in signed_by) or policy.require_signed_by
@@ -384,6 +384,6 @@ class Registry:
 
     def _ensure_blobs(self, manifest: Manifest,
                       reupload: Callable[[], Iterable[BlobRecord]]) -> None:
-        from registry.gc import ensure_blobs
+        from kvgraft.gc import ensure_blobs
 
         ensure_blobs(self.catalog, self.store, manifest, reupload)

@@ -16,10 +16,10 @@ from typing import Protocol
 
 import zstandard
 
-from registry import bytegroup
-from registry.digest import Buffer
-from registry.errors import IntegrityError, UnknownCodec, UsageError
-from registry.zstdframe import decode_frame
+from kvgraft import bytegroup
+from kvgraft.digest import Buffer
+from kvgraft.errors import IntegrityError, UnknownCodec, UsageError
+from kvgraft.zstdframe import decode_frame
 
 MAGIC = b"KVGB"
 FRAME_VERSION = 1

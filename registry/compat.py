@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from registry.errors import IncompatibleModel
-from registry.fingerprint import Fingerprint, architecture_digest
-from registry.identity import ModelIdentity, canonical_json
+from kvgraft.errors import IncompatibleModel
+from kvgraft.fingerprint import Fingerprint, architecture_digest
+from kvgraft.identity import ModelIdentity, canonical_json
 
 _MISSING = "<absent>"
 

@@ -41,7 +41,7 @@ class Config:
         }
         remote = remote or env.get("KVGRAFT_REMOTE") or None
         if remote:
-            from registry.remotes import get_remote
+            from kvgraft.remotes import get_remote
 
             r = get_remote(home, remote)
             values.update(catalog_url=r.catalog_url, blob_url=r.blob_url, remote=r.name)

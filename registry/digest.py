@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from registry.errors import IntegrityError, UsageError
+from kvgraft.errors import IntegrityError, UsageError
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from registry.digest import Digest
-from registry.errors import InvalidKVFile, MissingExtra, UsageError
-from registry.fsutil import atomic_writer
-from registry.identity import ModelIdentity, canonical_json
+from kvgraft.digest import Digest
+from kvgraft.errors import InvalidKVFile, MissingExtra, UsageError
+from kvgraft.fsutil import atomic_writer
+from kvgraft.identity import ModelIdentity, canonical_json
 
 # Config fields that decide the KV layout or the meaning of the cached keys and values.
 # Absent fields are left out, so a field a newer transformers adds with its old default

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from registry.digest import Buffer
+from kvgraft.digest import Buffer
 
 
 @contextlib.contextmanager

@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from registry.blobstore.base import BlobInfo, BlobStore
-from registry.catalog import BlobRecord, Catalog, EventRecord
-from registry.digest import Digest
-from registry.errors import Conflict, NotFound, RegistryError, UsageError
-from registry.manifest import Manifest
-from registry.push import existing_record
+from kvgraft.blobstore.base import BlobInfo, BlobStore
+from kvgraft.catalog import BlobRecord, Catalog, EventRecord
+from kvgraft.digest import Digest
+from kvgraft.errors import Conflict, NotFound, RegistryError, UsageError
+from kvgraft.manifest import Manifest
+from kvgraft.push import existing_record
 
 DEFAULT_GRACE = 24 * 3600.0
 SWEEP_BATCH = 128  # blobs per locked transaction: pushes wait at most one batch

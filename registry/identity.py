@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from registry.digest import Digest
+from kvgraft.digest import Digest
 
 
 def canonical_json(value: Any) -> bytes:

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from registry.digest import Buffer, Digest
-from registry.errors import InvalidKVFile, UsageError
-from registry.fsutil import atomic_writer
-from registry.identity import ModelIdentity, canonical_json
+from kvgraft.digest import Buffer, Digest
+from kvgraft.errors import InvalidKVFile, UsageError
+from kvgraft.fsutil import atomic_writer
+from kvgraft.identity import ModelIdentity, canonical_json
 
 FORMAT_VERSION = "1"
 MAX_HEADER = 64 * 1024 * 1024  # a header this large is hostile, not a KV file

@@ -14,10 +14,10 @@ from typing import Any
 
 import jsonschema
 
-from registry.digest import Digest
-from registry.errors import IntegrityError
-from registry.identity import ModelIdentity, canonical_json
-from registry.resources import load_schema
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError
+from kvgraft.identity import ModelIdentity, canonical_json
+from kvgraft.resources import load_schema
 
 MEDIA_TYPE = "application/vnd.kvgraft.manifest.v1+json"
 

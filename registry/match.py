@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from registry.catalog.lookup import artifacts_with_key, chunk_sizes, deepest_prefix
-from registry.client import Registry
-from registry.digest import Digest
-from registry.identity import ModelIdentity
-from registry.prefix import prefix_keys
-from registry.pull import Fetcher
+from kvgraft.catalog.lookup import artifacts_with_key, chunk_sizes, deepest_prefix
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.identity import ModelIdentity
+from kvgraft.prefix import prefix_keys
+from kvgraft.pull import Fetcher
 
 MAX_CANDIDATES = 32  # artifacts whose tokens are compared past the last shared chunk
 

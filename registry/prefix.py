@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 
-from registry.digest import Buffer, Digest
-from registry.identity import ModelIdentity
+from kvgraft.digest import Buffer, Digest
+from kvgraft.identity import ModelIdentity
 
 _SEED = bytes(32)
 TOKEN_BYTES = 8  # token ids are int64 little-endian

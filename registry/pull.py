@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from registry.blobstore.base import BlobStore
-from registry.cache import Cache
-from registry.chunks import ChunkPlan, plan_chunks, scatter_many, uncovered
-from registry.codec import decode_blob
-from registry.digest import Buffer, Digest
-from registry.errors import IntegrityError, NotFound, RegistryError
-from registry.fsutil import fsync_dir
-from registry.kvfile import KVLayout, parse_header
-from registry.manifest import BlobRef, Manifest
+from kvgraft.blobstore.base import BlobStore
+from kvgraft.cache import Cache
+from kvgraft.chunks import ChunkPlan, plan_chunks, scatter_many, uncovered
+from kvgraft.codec import decode_blob
+from kvgraft.digest import Buffer, Digest
+from kvgraft.errors import IntegrityError, NotFound, RegistryError
+from kvgraft.fsutil import fsync_dir
+from kvgraft.kvfile import KVLayout, parse_header
+from kvgraft.manifest import BlobRef, Manifest
 
 Progress = Callable[[int], None]
 R = TypeVar("R")

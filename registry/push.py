@@ -15,15 +15,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from registry.blobstore.base import BlobStore
-from registry.catalog.records import BlobRecord
-from registry.chunks import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkPlan, gather, plan_chunks
-from registry.codec import DEFAULT_CODEC, Selector, codec_selector, frame, parse_frame
-from registry.digest import Buffer, Digest
-from registry.errors import IntegrityError, InvalidKVFile, NotFound, UsageError
-from registry.kvfile import KVLayout, hash_file, read_layout
-from registry.manifest import BlobRef, ChunkRef, LayerRef, Manifest
-from registry.prefix import prefix_keys
+from kvgraft.blobstore.base import BlobStore
+from kvgraft.catalog.records import BlobRecord
+from kvgraft.chunks import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkPlan, gather, plan_chunks
+from kvgraft.codec import DEFAULT_CODEC, Selector, codec_selector, frame, parse_frame
+from kvgraft.digest import Buffer, Digest
+from kvgraft.errors import IntegrityError, InvalidKVFile, NotFound, UsageError
+from kvgraft.kvfile import KVLayout, hash_file, read_layout
+from kvgraft.manifest import BlobRef, ChunkRef, LayerRef, Manifest
+from kvgraft.prefix import prefix_keys
 
 Progress = Callable[[int], None]
 

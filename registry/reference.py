@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from registry.digest import Digest
-from registry.errors import UsageError
+from kvgraft.digest import Digest
+from kvgraft.errors import UsageError
 
 _SEGMENT = r"[a-z0-9]+(?:[._-][a-z0-9]+)*"
 NAME_RE = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT})*")

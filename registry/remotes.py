@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from registry.errors import Conflict, NotFound, UsageError
-from registry.fsutil import atomic_writer
+from kvgraft.errors import Conflict, NotFound, UsageError
+from kvgraft.fsutil import atomic_writer
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from registry.digest import Digest
-from registry.identity import ModelIdentity
-from registry.kvfile import RawTensor, write_kvfile
+from kvgraft.digest import Digest
+from kvgraft.identity import ModelIdentity
+from kvgraft.kvfile import RawTensor, write_kvfile
 
 DTYPES = ("BF16", "F16", "F32")
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from registry.blobstore.base import BlobStore
-from registry.catalog.records import BlobRecord
-from registry.codec import parse_frame
-from registry.manifest import BlobRef, Manifest
-from registry.pull import verify_stored
-from registry.push import existing_record
+from kvgraft.blobstore.base import BlobStore
+from kvgraft.catalog.records import BlobRecord
+from kvgraft.codec import parse_frame
+from kvgraft.manifest import BlobRef, Manifest
+from kvgraft.pull import verify_stored
+from kvgraft.push import existing_record
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,12 +6,12 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from registry.blobstore.base import BlobStore
-from registry.catalog.records import BlobRecord
-from registry.digest import Digest
-from registry.errors import IntegrityError, NotFound
-from registry.manifest import BlobRef, Manifest
-from registry.pull import verify_stored
+from kvgraft.blobstore.base import BlobStore
+from kvgraft.catalog.records import BlobRecord
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError, NotFound
+from kvgraft.manifest import BlobRef, Manifest
+from kvgraft.pull import verify_stored
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import zstandard
 
-from registry.digest import Buffer
-from registry.errors import IntegrityError
+from kvgraft.digest import Buffer
+from kvgraft.errors import IntegrityError
 
 
 def decode_frame(body: Buffer, size: int, *, what: str = "frame",

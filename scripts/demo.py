@@ -15,7 +15,7 @@ ROOT = Path(".demo")
 
 def kvgraft(env: dict[str, str], *args: str) -> str:
     print(f"$ kvgraft {' '.join(args)}", flush=True)
-    proc = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args],
+    proc = subprocess.run([sys.executable, "-m", "kvgraft.cli", *args],
                           env=env, text=True, capture_output=True, check=False)
     sys.stderr.write(proc.stderr)
     sys.stdout.write(proc.stdout)
@@ -33,7 +33,7 @@ def sha256(path: Path) -> str:
 
 
 def main() -> None:
-    from registry.sample import write_synthetic
+    from kvgraft.sample import write_synthetic
 
     shutil.rmtree(ROOT, ignore_errors=True)
     ROOT.mkdir()

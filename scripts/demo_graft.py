@@ -26,7 +26,7 @@ THREADS = "2"
 
 def kvgraft(env: dict[str, str], *args: str, show: bool = True) -> str:
     print(f"$ kvgraft {' '.join(args)}", flush=True)
-    proc = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args],
+    proc = subprocess.run([sys.executable, "-m", "kvgraft.cli", *args],
                           env=env, text=True, capture_output=True, check=False)
     sys.stderr.write(proc.stderr)
     if show:

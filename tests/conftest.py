@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from registry.client import Registry
-from registry.config import Config
+from kvgraft.client import Registry
+from kvgraft.config import Config
 from tests.services import ensure_postgres
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
-from registry.blobstore.memory import MemoryBlobStore
-from registry.catalog import Catalog
-from registry.client import Registry
-from registry.push import PushOptions
-from registry.sample import write_synthetic
+from kvgraft.blobstore.memory import MemoryBlobStore
+from kvgraft.catalog import Catalog
+from kvgraft.cli.main import cli
+from kvgraft.client import Registry
+from kvgraft.push import PushOptions
+from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
 from tests.test_events import tamper
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from registry.blobstore import BlobStore, blob_path, open_store
-from registry.blobstore.local import LocalBlobStore
-from registry.digest import Digest
-from registry.errors import NotFound
+from kvgraft.blobstore import BlobStore, blob_path, open_store
+from kvgraft.blobstore.local import LocalBlobStore
+from kvgraft.digest import Digest
+from kvgraft.errors import NotFound
 
 
 @pytest.fixture

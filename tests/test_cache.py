@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
-from registry.errors import NotFound
-from registry.sample import write_synthetic
+from kvgraft.cli.main import cli
+from kvgraft.errors import NotFound
+from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
 
 
@@ -60,7 +60,7 @@ def test_interrupted_pull_resumes_from_verified_chunks(make_registry: RegistryFa
     # Simulate a pull that died after three blobs: exactly those are in the cache.
     for ref in manifest.blobs()[:3]:
         data = puller.store.get(ref.digest)
-        from registry.pull import verify_stored
+        from kvgraft.pull import verify_stored
 
         puller.cache.put(ref.digest, verify_stored(ref, data, "test"))
     result = puller.pull("t/a", tmp_path / "o.kv")
@@ -75,7 +75,7 @@ def test_concurrent_pulls_in_processes_share_one_cache(make_registry: RegistryFa
                         cache_dir=Path(cli_env["KVGRAFT_CACHE"]))
     src = write_synthetic(tmp_path / "a.kv", tokens=3000, num_layers=8)
     reg.push(src, "t/a")
-    procs = [subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()",
+    procs = [subprocess.Popen([sys.executable, "-m", "kvgraft.cli",
                                "pull", "t/a", "-o", str(tmp_path / f"o{i}.kv"), "--json"],
                               env={**cli_env, "KVGRAFT_CACHE": str(tmp_path / "shared")},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -9,18 +9,18 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import text
 
-from registry.blobstore.memory import MemoryBlobStore
-from registry.catalog import Catalog, EventRecord, PushRecord
-from registry.catalog.engine import make_engine
-from registry.catalog.models import Base
-from registry.catalog.records import AttestationRecord, BlobRecord
-from registry.catalog.schema import head_revision
-from registry.digest import Digest
-from registry.errors import CatalogOutdated, NotFound, Unavailable, UsageError
-from registry.manifest import Manifest
-from registry.push import PushOptions, build_artifact
-from registry.reference import Reference
-from registry.sample import write_synthetic
+from kvgraft.blobstore.memory import MemoryBlobStore
+from kvgraft.catalog import Catalog, EventRecord, PushRecord
+from kvgraft.catalog.engine import make_engine
+from kvgraft.catalog.models import Base
+from kvgraft.catalog.records import AttestationRecord, BlobRecord
+from kvgraft.catalog.schema import head_revision
+from kvgraft.digest import Digest
+from kvgraft.errors import CatalogOutdated, NotFound, Unavailable, UsageError
+from kvgraft.manifest import Manifest
+from kvgraft.push import PushOptions, build_artifact
+from kvgraft.reference import Reference
+from kvgraft.sample import write_synthetic
 
 
 def _event(action: str = "push", **kw: object) -> EventRecord:
@@ -42,7 +42,7 @@ def test_migrated_schema_matches_the_orm(catalog_url: str) -> None:
 
 
 def test_head_constant_matches_the_migration_scripts() -> None:
-    from registry.catalog.schema import script_head
+    from kvgraft.catalog.schema import script_head
 
     assert head_revision() == script_head()
 

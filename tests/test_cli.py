@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
-from registry.sample import write_synthetic
+from kvgraft.cli.main import cli
+from kvgraft.sample import write_synthetic
 from tests.hostile import HOSTILE
 
 
 def run(env: dict[str, str], *args: str,
         cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", "from cli.main import main; main()", *args],
+    return subprocess.run([sys.executable, "-m", "kvgraft.cli", *args],
                           env=env, capture_output=True, text=True, cwd=cwd, timeout=120)
 
 

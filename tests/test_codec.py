@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from registry import bytegroup
-from registry.chunks import gather, plan_chunks
-from registry.codec import (
+from kvgraft import bytegroup
+from kvgraft.chunks import gather, plan_chunks
+from kvgraft.codec import (
     AUTO,
     best_codec_name,
     codec_names,
@@ -23,9 +23,9 @@ from registry.codec import (
     parse_frame,
     push_codec_names,
 )
-from registry.errors import IntegrityError, UnknownCodec
-from registry.kvfile import read_layout, safetensors_header
-from registry.sample import to_dtype, write_synthetic
+from kvgraft.errors import IntegrityError, UnknownCodec
+from kvgraft.kvfile import read_layout, safetensors_header
+from kvgraft.sample import to_dtype, write_synthetic
 from tests.conftest import RegistryFactory
 
 SAMPLE = Path(__file__).parent / "data" / "smollm2-bf16.kv"
@@ -207,7 +207,7 @@ def test_push_defaults_to_bytegroup_and_pull_is_byte_exact(make_registry: Regist
 
 def test_codec_choice_keeps_the_artifact_digest(make_registry: RegistryFactory,
                                                 tmp_path: Path) -> None:
-    from registry.push import PushOptions
+    from kvgraft.push import PushOptions
 
     src = write_synthetic(tmp_path / "a.kv", tokens=300, dtype="F16")
     digests = {make_registry(home=tmp_path / name).push(

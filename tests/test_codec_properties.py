@@ -7,11 +7,11 @@ import hashlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from registry.bytegroup import HAVE_LIBZSTD, ByteGroupCodec
-from registry.bytegroup import NAME as BYTEGROUP
-from registry.codec import codec_names, codec_selector, decode_blob, frame, get_codec
-from registry.errors import IntegrityError
-from registry.kvfile import ITEMSIZE, safetensors_header
+from kvgraft.bytegroup import HAVE_LIBZSTD, ByteGroupCodec
+from kvgraft.bytegroup import NAME as BYTEGROUP
+from kvgraft.codec import codec_names, codec_selector, decode_blob, frame, get_codec
+from kvgraft.errors import IntegrityError
+from kvgraft.kvfile import ITEMSIZE, safetensors_header
 
 CODECS = codec_names()
 assert BYTEGROUP in CODECS

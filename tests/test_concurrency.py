@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from registry.catalog import Catalog
-from registry.reference import Reference
-from registry.sample import write_synthetic
+from kvgraft.catalog import Catalog
+from kvgraft.reference import Reference
+from kvgraft.sample import write_synthetic
 
-CLI = "from cli.main import main; main()"
+CLI = "from kvgraft.cli.main import main; main()"
 
 
 @pytest.fixture
@@ -75,11 +75,11 @@ def test_different_artifacts_to_one_tag(env: dict[str, str], tmp_path: Path) -> 
 
 KILL_BEFORE_COMMIT = """
 import os, signal
-from registry.catalog.catalog import Catalog
+from kvgraft.catalog.catalog import Catalog
 def die(self, push):
     os.kill(os.getpid(), signal.SIGKILL)
 Catalog.record_push = die
-from cli.main import main
+from kvgraft.cli.main import main
 main()
 """
 
@@ -110,7 +110,7 @@ def test_push_killed_before_commit_leaves_catalog_consistent(env: dict[str, str]
 DROP_CONNECTION = """
 import sys
 from sqlalchemy import create_engine, text
-from registry.catalog.catalog import Catalog
+from kvgraft.catalog.catalog import Catalog
 ADMIN = sys.argv.pop(1)
 real = Catalog._move_tag
 def cut(self, s, *args):
@@ -122,7 +122,7 @@ def cut(self, s, *args):
     admin.dispose()
     return real(self, s, *args)
 Catalog._move_tag = cut
-from cli.main import main
+from kvgraft.cli.main import main
 main()
 """
 

@@ -14,15 +14,15 @@ from click.testing import CliRunner
 from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
-from cli.main import cli
-from registry.catalog import Catalog, EventRecord
-from registry.catalog.audit import GENESIS, event_hash
-from registry.catalog.engine import make_engine
-from registry.catalog.models import EventRow
-from registry.catalog.schema import upgrade
-from registry.client import Registry
-from registry.resources import migrations_dir
-from registry.sample import write_synthetic
+from kvgraft.catalog import Catalog, EventRecord
+from kvgraft.catalog.audit import GENESIS, event_hash
+from kvgraft.catalog.engine import make_engine
+from kvgraft.catalog.models import EventRow
+from kvgraft.catalog.schema import upgrade
+from kvgraft.cli.main import cli
+from kvgraft.client import Registry
+from kvgraft.resources import migrations_dir
+from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
 
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from registry import fingerprint as fpmod
-from registry.fingerprint import architecture_digest, kv_config
+from kvgraft import fingerprint as fpmod
+from kvgraft.fingerprint import architecture_digest, kv_config
 
 
 def _cfg(**kw: object) -> SimpleNamespace:
@@ -38,7 +38,7 @@ def test_architecture_covers_kv_fields() -> None:
 
 
 def test_dir_weights_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from registry.kvfile import RawTensor, safetensors_header
+    from kvgraft.kvfile import RawTensor, safetensors_header
 
     model = tmp_path / "m"
     model.mkdir()
@@ -69,8 +69,8 @@ def test_dir_weights_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_live_model_matches_its_directory(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="needs the [hf] extra (torch)")
     pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
-    from registry.fingerprint import fingerprint, fingerprint_dir
-    from registry.integrations.transformers import load_model
+    from kvgraft.fingerprint import fingerprint, fingerprint_dir
+    from kvgraft.integrations.transformers import load_model
     from tests.models import build
 
     for kind in ("llama", "gemma2", "gemma3"):
@@ -88,7 +88,7 @@ def test_fingerprint_command(tmp_path: Path, cli_env: dict[str, str]) -> None:
     pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
     from click.testing import CliRunner
 
-    from cli.main import cli
+    from kvgraft.cli.main import cli
     from tests.models import build
 
     path = build(tmp_path / "g", "gemma2")

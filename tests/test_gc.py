@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
-from registry.catalog import Catalog, PushRecord
-from registry.catalog.records import PushOutcome
-from registry.client import Registry
-from registry.digest import Digest
-from registry.gc import GcResult
-from registry.kvfile import write_kvfile
-from registry.push import PushOptions, build_artifact
-from registry.sample import synthetic_identity, synthetic_layers
+from kvgraft.catalog import Catalog, PushRecord
+from kvgraft.catalog.records import PushOutcome
+from kvgraft.cli.main import cli
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.gc import GcResult
+from kvgraft.kvfile import write_kvfile
+from kvgraft.push import PushOptions, build_artifact
+from kvgraft.sample import synthetic_identity, synthetic_layers
 from tests.conftest import RegistryFactory
 
 

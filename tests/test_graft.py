@@ -16,10 +16,10 @@ pytest.importorskip("transformers", reason="grafting tests need the [hf] extra (
 
 from click.testing import CliRunner  # noqa: E402
 
-from cli.main import cli  # noqa: E402
-from registry.client import Registry  # noqa: E402
-from registry.errors import IncompatibleModel  # noqa: E402
-from registry.integrations.transformers import (  # noqa: E402
+from kvgraft.cli.main import cli  # noqa: E402
+from kvgraft.client import Registry  # noqa: E402
+from kvgraft.errors import IncompatibleModel  # noqa: E402
+from kvgraft.integrations.transformers import (  # noqa: E402
     FIDELITY_PREDICATE,
     LoadedModel,
     capture,
@@ -28,8 +28,8 @@ from registry.integrations.transformers import (  # noqa: E402
     load_model,
     verify_graft,
 )
-from registry.integrations.transformers.capture import prefill  # noqa: E402
-from registry.integrations.transformers.generate import greedy  # noqa: E402
+from kvgraft.integrations.transformers.capture import prefill  # noqa: E402
+from kvgraft.integrations.transformers.generate import greedy  # noqa: E402
 from tests.models import WINDOW, build  # noqa: E402
 
 KINDS = ["llama", "gemma2", "gemma3"]
@@ -61,7 +61,7 @@ def loaded(registry: Registry, path: Path) -> LoadedModel:
 
 def push_capture(registry: Registry, lm: LoadedModel, tmp: Path, ref: str,
                  ids: list[int] | None = None, chunk_tokens: int = 256) -> Any:
-    from registry.push import PushOptions
+    from kvgraft.push import PushOptions
 
     kv = capture(lm, tmp / f"{ref.replace('/', '_')}.kv",
                  **({"token_ids": ids} if ids is not None else {"text": TEXT}))
@@ -124,14 +124,14 @@ def test_graft_restored_in_another_process(kind: str, dtype: str, registry: Regi
     cache, _ = prefill(lm, list(load_graft("t/remote:v1", lm, registry=registry).token_ids))
     fresh = greedy(lm, cache, suffix, 2)
     proc = subprocess.run(
-        [sys.executable, "-c", "from cli.main import main; main()", "verify-graft",
+        [sys.executable, "-m", "kvgraft.cli", "verify-graft",
          "t/remote:v1", "--model", str(path), "--suffix-text", " Ships", "--steps", "2",
          "--threads", "1", "--json"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     child = json.loads(proc.stdout)
     assert child["byte_identical"] is True
-    from registry.digest import Digest
-    from registry.integrations.transformers.capture import raw_bytes
+    from kvgraft.digest import Digest
+    from kvgraft.integrations.transformers.capture import raw_bytes
 
     parent = [Digest.of(raw_bytes(row)).hex for s in fresh for row in s.logits]
     assert [p["graft_sha256"] for p in child["detail"]] == parent
@@ -250,7 +250,7 @@ def test_common_prefix_shares_chunk_blobs(registry: Registry, model_root: Path,
 def test_tampered_cached_kv_is_rebuilt(registry: Registry, model_root: Path,
                                        tmp_path: Path) -> None:
     """The assembled KV kept in the pull cache is re-verified on every load."""
-    from registry.blobstore.base import blob_path
+    from kvgraft.blobstore.base import blob_path
 
     lm = loaded(registry, model_dir(model_root, "llama"))
     pushed = push_capture(registry, lm, tmp_path, "t/tamper:v1")
@@ -268,7 +268,7 @@ def test_tampered_cached_kv_is_rebuilt(registry: Registry, model_root: Path,
 
 def test_loader_requires_a_fidelity_attestation_for_the_live_model(
         registry: Registry, model_root: Path, tmp_path: Path) -> None:
-    from registry.errors import IntegrityError
+    from kvgraft.errors import IntegrityError
 
     lm = loaded(registry, model_dir(model_root, "llama"))
     push_capture(registry, lm, tmp_path, "t/needs-check:v1")

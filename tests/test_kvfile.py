@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from registry.errors import InvalidKVFile, UsageError
-from registry.kvfile import hash_file, read_layout
-from registry.sample import synthetic_identity, write_synthetic
+from kvgraft.errors import InvalidKVFile, UsageError
+from kvgraft.kvfile import hash_file, read_layout
+from kvgraft.sample import synthetic_identity, write_synthetic
 from tests.hostile import CASES, HOSTILE, write_all
 
 

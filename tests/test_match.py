@@ -6,12 +6,12 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from registry.catalog.lookup import has_prefix_key
-from registry.client import Registry
-from registry.match import match
-from registry.prefix import prefix_keys
-from registry.push import PushOptions
-from registry.sample import synthetic_identity, write_synthetic
+from kvgraft.catalog.lookup import has_prefix_key
+from kvgraft.client import Registry
+from kvgraft.match import match
+from kvgraft.prefix import prefix_keys
+from kvgraft.push import PushOptions
+from kvgraft.sample import synthetic_identity, write_synthetic
 
 BASE = list(range(1000, 1600))
 

@@ -11,13 +11,13 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
-from registry.catalog import Catalog
-from registry.client import Registry
-from registry.digest import Digest
-from registry.errors import IntegrityError
-from registry.identity import ModelIdentity
-from registry.provenance import (
+from kvgraft.catalog import Catalog
+from kvgraft.cli.main import cli
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError
+from kvgraft.identity import ModelIdentity
+from kvgraft.provenance import (
     FIDELITY,
     PROVENANCE,
     PolicyRefused,
@@ -25,9 +25,9 @@ from registry.provenance import (
     fidelity_statement,
     require_verified,
 )
-from registry.push import PushOptions
-from registry.resources import load_schema, schemas_dir
-from registry.sample import synthetic_identity, write_synthetic
+from kvgraft.push import PushOptions
+from kvgraft.resources import load_schema, schemas_dir
+from kvgraft.sample import synthetic_identity, write_synthetic
 from tests.conftest import RegistryFactory
 from tests.test_events import tamper
 

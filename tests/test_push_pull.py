@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from registry.blobstore.local import LocalBlobStore
-from registry.codec import MAGIC, parse_frame
-from registry.digest import Digest
-from registry.errors import IntegrityError, NotFound, UsageError
-from registry.manifest import Manifest
-from registry.push import PushOptions
-from registry.sample import write_synthetic
+from kvgraft.blobstore.local import LocalBlobStore
+from kvgraft.codec import MAGIC, parse_frame
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError, NotFound, UsageError
+from kvgraft.manifest import Manifest
+from kvgraft.push import PushOptions
+from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
 
 
@@ -228,7 +228,7 @@ def test_push_that_dies_half_way_leaves_no_catalog_row(make_registry: RegistryFa
 def test_decompression_bomb_is_refused(make_registry: RegistryFactory, tmp_path: Path) -> None:
     import zstandard
 
-    from registry.codec import FRAME_VERSION
+    from kvgraft.codec import FRAME_VERSION
 
     reg = make_registry()
     digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=300), "t/a").digest
@@ -245,7 +245,7 @@ def test_decompression_bomb_is_refused(make_registry: RegistryFactory, tmp_path:
 
 def test_unknown_codec_in_store_is_refused(make_registry: RegistryFactory,
                                            tmp_path: Path) -> None:
-    from registry.codec import FRAME_VERSION
+    from kvgraft.codec import FRAME_VERSION
 
     reg = make_registry()
     digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=300), "t/a").digest
@@ -271,8 +271,8 @@ def test_parent_must_exist_and_is_recorded(make_registry: RegistryFactory,
 
 def test_push_reads_the_file_in_bounded_memory(tmp_path: Path) -> None:
     # gather() reads only the chunk's slices: a file far bigger than a chunk stays on disk.
-    from registry.chunks import gather, plan_chunks
-    from registry.kvfile import read_layout
+    from kvgraft.chunks import gather, plan_chunks
+    from kvgraft.kvfile import read_layout
 
     src = write_synthetic(tmp_path / "a.kv", tokens=2048, num_layers=2)
     layout = read_layout(src)
@@ -291,12 +291,12 @@ def test_file_changed_during_push_is_refused(make_registry: RegistryFactory, tmp
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # The file digest and the chunks come from two reads; a write in between must not
     # publish a manifest whose chunks rebuild some other file.
-    import registry.push
-    from registry.errors import InvalidKVFile
+    import kvgraft.push as push_module
+    from kvgraft.errors import InvalidKVFile
 
     reg = make_registry()
     src = write_synthetic(tmp_path / "a.kv", tokens=600)
-    real_hash = registry.push.hash_file
+    real_hash = push_module.hash_file
 
     def hash_then_write(fd: int, layout: object) -> object:
         result = real_hash(fd, layout)  # type: ignore[arg-type]
@@ -305,11 +305,11 @@ def test_file_changed_during_push_is_refused(make_registry: RegistryFactory, tmp
             f.write(b"\x01" * 16)
         return result
 
-    monkeypatch.setattr(registry.push, "hash_file", hash_then_write)
+    monkeypatch.setattr(push_module, "hash_file", hash_then_write)
     with pytest.raises(InvalidKVFile, match="changed while it was being pushed"):
         reg.push(src, "t/a")
     assert reg.catalog.artifact_digests() == []
-    monkeypatch.setattr(registry.push, "hash_file", real_hash)
+    monkeypatch.setattr(push_module, "hash_file", real_hash)
     digest = reg.push(src, "t/a").digest  # once it holds still, it pushes
     reg.pull("t/a", tmp_path / "b.kv")
     assert sha(tmp_path / "b.kv") == sha(src) == reg.manifest(digest).file_digest.hex
@@ -319,8 +319,8 @@ def test_identical_chunks_are_fetched_once_and_written_everywhere(
         make_registry: RegistryFactory, tmp_path: Path) -> None:
     # One blob for many chunks: its decode buffer must stay alive until every place of it
     # is written, across batched writes.
-    from registry.kvfile import RawTensor, write_kvfile
-    from registry.sample import synthetic_identity
+    from kvgraft.kvfile import RawTensor, write_kvfile
+    from kvgraft.sample import synthetic_identity
 
     heads, dim, tokens, chunk = 2, 8, 40 * 16, 16
     row = bytes(range(dim)) * 2  # BF16: dim values of 2 bytes, the same for every token
@@ -340,8 +340,8 @@ def test_identical_chunks_are_fetched_once_and_written_everywhere(
 def test_chunk_plans_cover_the_file_exactly_once(tmp_path: Path) -> None:
     import dataclasses
 
-    from registry.chunks import plan_chunks, uncovered
-    from registry.kvfile import read_layout
+    from kvgraft.chunks import plan_chunks, uncovered
+    from kvgraft.kvfile import read_layout
 
     layout = read_layout(write_synthetic(tmp_path / "a.kv", tokens=700, num_layers=3,
                                          window=90, sliding=[0, 2]))

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from registry.digest import Digest
-from registry.errors import UsageError
-from registry.reference import Reference
+from kvgraft.digest import Digest
+from kvgraft.errors import UsageError
+from kvgraft.reference import Reference
 
 HEX = "a" * 64
 

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
-from registry.config import Config
-from registry.errors import Conflict, NotFound, UsageError
-from registry.remotes import Remote, add_remote, dumps_toml, load_remotes, remove_remote
-from registry.sample import write_synthetic
+from kvgraft.cli.main import cli
+from kvgraft.config import Config
+from kvgraft.errors import Conflict, NotFound, UsageError
+from kvgraft.remotes import Remote, add_remote, dumps_toml, load_remotes, remove_remote
+from kvgraft.sample import write_synthetic
 
 
 def test_remote_config_round_trip(tmp_path: Path) -> None:

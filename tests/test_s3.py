@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from registry.blobstore import open_store
-from registry.blobstore.s3 import MiB, S3BlobStore, S3Settings
-from registry.digest import Digest
-from registry.errors import MissingExtra, NotFound, Unavailable, UsageError
+from kvgraft.blobstore import open_store
+from kvgraft.blobstore.s3 import MiB, S3BlobStore, S3Settings
+from kvgraft.digest import Digest
+from kvgraft.errors import MissingExtra, NotFound, Unavailable, UsageError
 from tests.services import free_ports
 
 
@@ -270,7 +270,7 @@ def test_missing_blob_is_not_found(store: S3BlobStore) -> None:
 
 
 def test_install_hint_without_boto3(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delitem(sys.modules, "registry.blobstore.s3", raising=False)
+    monkeypatch.delitem(sys.modules, "kvgraft.blobstore.s3", raising=False)
     monkeypatch.setitem(sys.modules, "boto3", None)  # makes `import boto3` fail
     with pytest.raises(MissingExtra) as e:
         open_store("s3://bucket/prefix")

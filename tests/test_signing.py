@@ -18,13 +18,13 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import SSlibKey
 
-from cli.main import cli
-from registry.catalog import AttestationRecord, Catalog
-from registry.client import Registry
-from registry.digest import Digest
-from registry.errors import Conflict, IntegrityError, NotFound, UsageError
-from registry.provenance import PROVENANCE, PolicyRefused, PublicKey
-from registry.sample import write_synthetic
+from kvgraft.catalog import AttestationRecord, Catalog
+from kvgraft.cli.main import cli
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import Conflict, IntegrityError, NotFound, UsageError
+from kvgraft.provenance import PROVENANCE, PolicyRefused, PublicKey
+from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
 from tests.test_events import tamper
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from registry.sample import write_synthetic
+from kvgraft.sample import write_synthetic
 
-CLI = "from cli.main import main; main()"
+CLI = "from kvgraft.cli.main import main; main()"
 
 
 def test_push_on_a_pull_on_b(cli_env: dict[str, str], postgres_url: str, s3_store_url: str,

@@ -25,13 +25,22 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return whl
 
 
-def test_wheel_carries_migrations_and_schemas(wheel: Path) -> None:
+def test_wheel_installs_only_the_kvgraft_import_name(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "registry/_migrations/env.py" in names
-    assert any(n.startswith("registry/_migrations/versions/0001") for n in names)
-    assert "registry/_schemas/manifest.schema.json" in names
+    assert "kvgraft/_migrations/env.py" in names
+    assert any(n.startswith("kvgraft/_migrations/versions/0001") for n in names)
+    assert "kvgraft/_schemas/manifest.schema.json" in names
+    assert "kvgraft/py.typed" in names
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top == {"registry", "cli"}
+    assert top == {"kvgraft"}
+    # Every module of the tree reaches the wheel under its mapped name (the package list in
+    # pyproject.toml is explicit, so a new subpackage must be added there).
+    mapped = {"registry": "kvgraft", "cli": "kvgraft/cli", "migrations": "kvgraft/_migrations",
+              "schemas": "kvgraft/_schemas"}
+    for folder, target in mapped.items():
+        for f in (ROOT / folder).rglob("*"):
+            if f.suffix in {".py", ".json", ".mako"} and "__pycache__" not in f.parts:
+                assert f"{target}/{f.relative_to(ROOT / folder).as_posix()}" in names, f
 
 
 def test_installed_wheel_runs_from_another_directory(wheel: Path, tmp_path: Path) -> None:
@@ -60,13 +69,23 @@ def test_installed_wheel_runs_from_another_directory(wheel: Path, tmp_path: Path
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
+    # PyPI's pyCLI installs a top-level cli/ and PyPI's registry a registry.py: neither may
+    # shadow or overwrite kvgraft.
+    shadows = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "pyCLI",
+                              "registry"], capture_output=True, text=True, timeout=300)
+    if shadows.returncode != 0 and os.environ.get("CI") != "true":
+        pytest.skip(f"cannot install pyCLI and registry here: {shadows.stderr[-300:]}")
+    assert shadows.returncode == 0, shadows.stderr
     where = subprocess.run(
-        [str(py), "-c", "import registry, cli; print(registry.__file__, cli.__file__)"],
-        cwd=work, env=env, capture_output=True, text=True, check=True).stdout
-    assert str(ROOT) not in where and str(venv) in where
+        [str(py), "-c", "import importlib.util as u, kvgraft, kvgraft.cli; "
+         "print(kvgraft.__file__, kvgraft.cli.__file__, u.find_spec('cli').origin, "
+         "u.find_spec('registry').origin)"],
+        cwd=work, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert all(str(ROOT) not in w and str(venv) in w for w in where)
+    assert "/kvgraft/" in where[1] and "/kvgraft/" not in where[2] + where[3]
     run("db", "upgrade")
     assert "up to date" in run("db", "current")
-    subprocess.run([str(py), "-c", "from registry.sample import write_synthetic; "
+    subprocess.run([str(py), "-c", "from kvgraft.sample import write_synthetic; "
                     "write_synthetic('a.kv', tokens=300)"], cwd=work, env=env, check=True)
     digest = run("push", "a.kv", "w/a:1").strip()
     run("pull", "w/a:1", "--output", "b.kv")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from registry.blobstore.base import BlobInfo, BlobStore, blob_path
-from registry.blobstore.open import open_store
+from kvgraft.blobstore.base import BlobInfo, BlobStore, blob_path
+from kvgraft.blobstore.open import open_store
 
 __all__ = ["BlobInfo", "BlobStore", "blob_path", "open_store"]

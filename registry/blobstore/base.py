@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from registry.digest import Buffer, Digest
+from kvgraft.digest import Buffer, Digest
 
 
 def blob_path(digest: Digest) -> str:

@@ -8,10 +8,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from registry.blobstore.base import BlobInfo, blob_path
-from registry.digest import Buffer, Digest
-from registry.errors import NotFound, Unavailable, UsageError
-from registry.fsutil import create_exclusive
+from kvgraft.blobstore.base import BlobInfo, blob_path
+from kvgraft.digest import Buffer, Digest
+from kvgraft.errors import NotFound, Unavailable, UsageError
+from kvgraft.fsutil import create_exclusive
 
 
 class LocalBlobStore:

@@ -8,9 +8,9 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
-from registry.blobstore.base import BlobInfo
-from registry.digest import Buffer, Digest
-from registry.errors import NotFound
+from kvgraft.blobstore.base import BlobInfo
+from kvgraft.digest import Buffer, Digest
+from kvgraft.errors import NotFound
 
 _STORES: dict[str, dict[Digest, tuple[bytes, float]]] = {}
 _LOCK = threading.Lock()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from registry.blobstore.base import BlobStore
-from registry.errors import MissingExtra, UsageError
+from kvgraft.blobstore.base import BlobStore
+from kvgraft.errors import MissingExtra, UsageError
 
 
 def open_store(url: str) -> BlobStore:
@@ -17,16 +17,16 @@ def open_store(url: str) -> BlobStore:
         path = unquote(parts.path)
         if not path:
             raise UsageError(f"file URL without a path: {url}")
-        from registry.blobstore.local import LocalBlobStore
+        from kvgraft.blobstore.local import LocalBlobStore
 
         return LocalBlobStore(Path(path))
     if parts.scheme == "memory":
-        from registry.blobstore.memory import MemoryBlobStore
+        from kvgraft.blobstore.memory import MemoryBlobStore
 
         return MemoryBlobStore(parts.netloc + parts.path)
     if parts.scheme == "s3":
         try:
-            from registry.blobstore.s3 import S3BlobStore  # type: ignore[import-untyped,unused-ignore]
+            from kvgraft.blobstore.s3 import S3BlobStore  # type: ignore[import-untyped,unused-ignore]
         except ImportError as e:
             if getattr(e, "name", "") and str(e.name).split(".")[0] in ("boto3", "botocore"):
                 raise MissingExtra("an s3:// blob store", "s3") from None

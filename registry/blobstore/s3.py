@@ -25,9 +25,9 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from registry.blobstore.base import BlobInfo, blob_path
-from registry.digest import Buffer, Digest
-from registry.errors import NotFound, Unavailable, UsageError
+from kvgraft.blobstore.base import BlobInfo, blob_path
+from kvgraft.digest import Buffer, Digest
+from kvgraft.errors import NotFound, Unavailable, UsageError
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client

@@ -3,8 +3,8 @@
 ORM rows never leave this package: callers get the frozen dataclasses of `records`.
 """
 
-from registry.catalog.catalog import Catalog
-from registry.catalog.records import (
+from kvgraft.catalog.catalog import Catalog
+from kvgraft.catalog.records import (
     ArtifactRecord,
     AttestationRecord,
     BlobRecord,

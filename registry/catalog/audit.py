@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import delete, exists, insert, select, text
 from sqlalchemy.orm import Session
 
-from registry.catalog.models import (
+from kvgraft.catalog.models import (
     ArtifactBlobRow,
     ArtifactRow,
     AttestationRow,
@@ -36,12 +36,12 @@ from registry.catalog.models import (
     EventRow,
     TagRow,
 )
-from registry.catalog.records import BlobRecord, EventRecord, aware
-from registry.digest import Digest
-from registry.identity import canonical_json
+from kvgraft.catalog.records import BlobRecord, EventRecord, aware
+from kvgraft.digest import Digest
+from kvgraft.identity import canonical_json
 
 GENESIS = "sha256:" + "0" * 64
-# Any constant distinct from the schema-upgrade lock (registry.catalog.schema).
+# Any constant distinct from the schema-upgrade lock (kvgraft.catalog.schema).
 CHAIN_LOCK = 7352918
 
 
@@ -207,7 +207,7 @@ def inventory(s: Session) -> list[ArtifactLinks]:
 
 
 def lock_for_gc(s: Session) -> None:
-    """Hold off every push commit for the rest of this transaction (see registry.gc).
+    """Hold off every push commit for the rest of this transaction (see kvgraft.gc).
 
     A push commit writes `blobs` first, then `artifacts` and `artifact_blobs`, holding
     ROW EXCLUSIVE on each until it commits; SHARE ROW EXCLUSIVE waits for those and

@@ -14,9 +14,9 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
-from registry.catalog import audit, schema
-from registry.catalog.engine import make_engine, safe_url
-from registry.catalog.models import (
+from kvgraft.catalog import audit, schema
+from kvgraft.catalog.engine import make_engine, safe_url
+from kvgraft.catalog.models import (
     ArtifactBlobRow,
     ArtifactChunkRow,
     ArtifactRow,
@@ -28,7 +28,7 @@ from registry.catalog.models import (
     RepositoryArtifactRow,
     TagRow,
 )
-from registry.catalog.records import (
+from kvgraft.catalog.records import (
     ArtifactRecord,
     AttestationRecord,
     BlobRecord,
@@ -38,10 +38,10 @@ from registry.catalog.records import (
     TagRecord,
     aware,
 )
-from registry.digest import Digest
-from registry.errors import CatalogOutdated, NotFound, Unavailable
-from registry.identity import canonical_json
-from registry.reference import Reference
+from kvgraft.digest import Digest
+from kvgraft.errors import CatalogOutdated, NotFound, Unavailable
+from kvgraft.identity import canonical_json
+from kvgraft.reference import Reference
 
 
 def _now() -> datetime:
@@ -229,7 +229,7 @@ class Catalog:
             self._add_event(s, event, _now())
 
     def _add_event(self, s: Session, e: EventRecord, now: datetime) -> None:
-        # Hash-chained and serialised with other writers: see registry.catalog.audit.
+        # Hash-chained and serialised with other writers: see kvgraft.catalog.audit.
         audit.append_event(s, e, now)
 
     # --- reads -------------------------------------------------------------------------
@@ -330,7 +330,7 @@ class Catalog:
                 detail=json.loads(e.detail), at=aware(e.at), id=e.id)
                 for e in s.scalars(q)]
 
-    # --- audit, lineage and gc: the queries live in registry.catalog.audit --------------
+    # --- audit, lineage and gc: the queries live in kvgraft.catalog.audit --------------
 
     def event_chain(self) -> audit.ChainReport:
         """Check the whole event log's hash chain."""
@@ -367,7 +367,7 @@ class Catalog:
     def sweep_blobs(self, digests: Iterable[Digest],
                     delete_blob: audit.BlobDeleter) -> list[Digest]:
         """Delete from the store and the catalog the blobs among `digests` that no artifact
-        references; see registry.gc for why this is safe while others push."""
+        references; see kvgraft.gc for why this is safe while others push."""
         wanted = list(digests)
         with self._session(write=True) as s:
             audit.record_deletions(s, wanted, _now())

@@ -9,7 +9,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-from registry.errors import MissingExtra, UsageError
+from kvgraft.errors import MissingExtra, UsageError
 
 SQLITE_BUSY_MS = 30_000
 

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 from sqlalchemy import select, text
 
-from registry.catalog.catalog import Catalog
-from registry.catalog.models import ArtifactChunkRow, ArtifactRow, ModelRow
-from registry.digest import Digest
+from kvgraft.catalog.catalog import Catalog
+from kvgraft.catalog.models import ArtifactChunkRow, ArtifactRow, ModelRow
+from kvgraft.digest import Digest
 
 
 def chunk_sizes(catalog: Catalog, identity_key: Digest) -> list[int]:

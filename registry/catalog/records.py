@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from registry.digest import Digest
-from registry.manifest import Manifest
+from kvgraft.digest import Digest
+from kvgraft.manifest import Manifest
 
 
 def aware(t: datetime) -> datetime:

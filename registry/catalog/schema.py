@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Connection, Engine, inspect, text
 
-from registry.resources import migrations_dir
+from kvgraft.resources import migrations_dir
 
 if TYPE_CHECKING:
     from alembic.config import Config

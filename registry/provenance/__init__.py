@@ -1,8 +1,8 @@
 """Provenance: in-toto statements about artifacts, DSSE signatures with Ed25519 keys, the
 trust store, and the policies pull and load enforce with them."""
 
-from registry.provenance.keys import Keyring, PublicKey
-from registry.provenance.policy import (
+from kvgraft.provenance.keys import Keyring, PublicKey
+from kvgraft.provenance.policy import (
     AttestationStatus,
     Policy,
     PolicyRefused,
@@ -10,8 +10,8 @@ from registry.provenance.policy import (
     require_signed_by,
     require_verified,
 )
-from registry.provenance.signing import open_envelope, sign_statement
-from registry.provenance.statement import (
+from kvgraft.provenance.signing import open_envelope, sign_statement
+from kvgraft.provenance.statement import (
     FIDELITY,
     PAYLOAD_TYPE,
     PROVENANCE,

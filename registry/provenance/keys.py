@@ -27,8 +27,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from securesystemslib.signer import CryptoSigner, SSlibKey
 
-from registry.errors import Conflict, IntegrityError, NotFound, UsageError
-from registry.fsutil import atomic_writer
+from kvgraft.errors import Conflict, IntegrityError, NotFound, UsageError
+from kvgraft.fsutil import atomic_writer
 
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 KEYID = re.compile(r"[0-9a-f]{64}")

@@ -21,14 +21,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from registry.catalog.records import AttestationRecord, EventRecord
-from registry.digest import Digest
-from registry.errors import IntegrityError, UsageError
-from registry.identity import ModelIdentity
-from registry.provenance.keys import Keyring, PublicKey
-from registry.provenance.signing import open_envelope
-from registry.provenance.statement import FIDELITY, Statement, fidelity_identity
-from registry.remotes import config_path, load_document
+from kvgraft.catalog.records import AttestationRecord, EventRecord
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError, UsageError
+from kvgraft.identity import ModelIdentity
+from kvgraft.provenance.keys import Keyring, PublicKey
+from kvgraft.provenance.signing import open_envelope
+from kvgraft.provenance.statement import FIDELITY, Statement, fidelity_identity
+from kvgraft.remotes import config_path, load_document
 
 
 class PolicyRefused(IntegrityError):

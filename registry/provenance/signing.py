@@ -18,10 +18,10 @@ from securesystemslib import exceptions as sslib_errors
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import Signer
 
-from registry.errors import IntegrityError
-from registry.identity import canonical_json
-from registry.provenance.keys import PublicKey
-from registry.provenance.statement import PAYLOAD_TYPE, Statement
+from kvgraft.errors import IntegrityError
+from kvgraft.identity import canonical_json
+from kvgraft.provenance.keys import PublicKey
+from kvgraft.provenance.statement import PAYLOAD_TYPE, Statement
 
 
 def sign_statement(statement: Statement, signer: Signer) -> bytes:

@@ -16,11 +16,11 @@ from typing import Any
 
 import jsonschema
 
-from registry.digest import Digest
-from registry.errors import IntegrityError
-from registry.identity import ModelIdentity, canonical_json
-from registry.manifest import MEDIA_TYPE, Manifest
-from registry.resources import load_schema
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError
+from kvgraft.identity import ModelIdentity, canonical_json
+from kvgraft.manifest import MEDIA_TYPE, Manifest
+from kvgraft.resources import load_schema
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PAYLOAD_TYPE = "application/vnd.in-toto+json"  # the DSSE payloadType of a statement

@@ -17,19 +17,19 @@ try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 except ImportError as e:  # pragma: no cover - depends on the environment
-    from registry.errors import MissingExtra
+    from kvgraft.errors import MissingExtra
 
     raise MissingExtra("grafting into transformers", "hf") from e
 
-from registry.integrations.transformers.capture import Capture, capture, chat_tokens, tokenize
-from registry.integrations.transformers.fidelity import (
+from kvgraft.integrations.transformers.capture import Capture, capture, chat_tokens, tokenize
+from kvgraft.integrations.transformers.fidelity import (
     FIDELITY_PREDICATE,
     FidelityReport,
     verify_graft,
 )
-from registry.integrations.transformers.generate import GraftResult, graft_generate
-from registry.integrations.transformers.loader import Graft, load_graft
-from registry.integrations.transformers.models import (
+from kvgraft.integrations.transformers.generate import GraftResult, graft_generate
+from kvgraft.integrations.transformers.loader import Graft, load_graft
+from kvgraft.integrations.transformers.models import (
     LoadedModel,
     load_model,
     set_threads,

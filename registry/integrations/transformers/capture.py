@@ -20,12 +20,12 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from registry import __version__
-from registry.digest import Digest
-from registry.errors import UsageError
-from registry.fingerprint import torch_dtype_name
-from registry.integrations.transformers.models import LoadedModel, engine_info
-from registry.kvfile import RawTensor, write_kvfile
+from kvgraft import __version__
+from kvgraft.digest import Digest
+from kvgraft.errors import UsageError
+from kvgraft.fingerprint import torch_dtype_name
+from kvgraft.integrations.transformers.models import LoadedModel, engine_info
+from kvgraft.kvfile import RawTensor, write_kvfile
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,22 +18,22 @@ from typing import Any
 
 import torch
 
-from registry import __version__
-from registry.catalog import AttestationRecord
-from registry.client import Registry
-from registry.digest import Digest
-from registry.errors import UsageError
-from registry.identity import canonical_json
-from registry.integrations.transformers.capture import (
+from kvgraft import __version__
+from kvgraft.catalog import AttestationRecord
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import UsageError
+from kvgraft.identity import canonical_json
+from kvgraft.integrations.transformers.capture import (
     cache_tensors,
     prefill,
     raw_bytes,
     tokenize,
 )
-from registry.integrations.transformers.generate import Step, greedy
-from registry.integrations.transformers.loader import load_graft
-from registry.integrations.transformers.models import LoadedModel, engine_info
-from registry.reference import Reference
+from kvgraft.integrations.transformers.generate import Step, greedy
+from kvgraft.integrations.transformers.loader import load_graft
+from kvgraft.integrations.transformers.models import LoadedModel, engine_info
+from kvgraft.reference import Reference
 
 FIDELITY_PREDICATE = "https://kvgraft.dev/attestations/fidelity/v1"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"

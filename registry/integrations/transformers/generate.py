@@ -11,13 +11,13 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from registry.client import Registry
-from registry.digest import Digest
-from registry.errors import UsageError
-from registry.integrations.transformers.capture import tokenize
-from registry.integrations.transformers.loader import Graft, common_prefix, load_graft
-from registry.integrations.transformers.models import LoadedModel
-from registry.reference import Reference
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import UsageError
+from kvgraft.integrations.transformers.capture import tokenize
+from kvgraft.integrations.transformers.loader import Graft, common_prefix, load_graft
+from kvgraft.integrations.transformers.models import LoadedModel
+from kvgraft.reference import Reference
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,20 +22,20 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from registry.blobstore.base import BlobStore
-from registry.cache import Cache
-from registry.chunks import plan_chunks
-from registry.client import Registry
-from registry.codec import parse_frame
-from registry.compat import CompatReport, compare
-from registry.digest import Digest
-from registry.errors import IncompatibleModel, IntegrityError
-from registry.fingerprint import torch_dtype_name
-from registry.integrations.transformers.models import LoadedModel
-from registry.kvfile import KVLayout, TensorInfo
-from registry.manifest import BlobRef, Manifest
-from registry.pull import Fetcher, layout_of
-from registry.reference import Reference
+from kvgraft.blobstore.base import BlobStore
+from kvgraft.cache import Cache
+from kvgraft.chunks import plan_chunks
+from kvgraft.client import Registry
+from kvgraft.codec import parse_frame
+from kvgraft.compat import CompatReport, compare
+from kvgraft.digest import Digest
+from kvgraft.errors import IncompatibleModel, IntegrityError
+from kvgraft.fingerprint import torch_dtype_name
+from kvgraft.integrations.transformers.models import LoadedModel
+from kvgraft.kvfile import KVLayout, TensorInfo
+from kvgraft.manifest import BlobRef, Manifest
+from kvgraft.pull import Fetcher, layout_of
+from kvgraft.reference import Reference
 
 log = logging.getLogger(__name__)
 KVBuffer = bytearray | mmap.mmap  # a KV file's bytes in memory
@@ -267,7 +267,7 @@ def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
     manifest = _manifest(registry, digest)
     what = f"graft {reference}"
     if require_verified:
-        from registry.provenance.policy import require_verified as check_verified
+        from kvgraft.provenance.policy import require_verified as check_verified
 
         check_verified(registry.catalog, digest, lm.fingerprint.identity)
     report = compare(manifest.model, manifest.model_config, lm.fingerprint)

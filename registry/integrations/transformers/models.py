@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import transformers
 
-from registry import __version__
-from registry.errors import MissingExtra, UsageError
-from registry.fingerprint import Fingerprint, fingerprint, torch_dtype_name
+from kvgraft import __version__
+from kvgraft.errors import MissingExtra, UsageError
+from kvgraft.fingerprint import Fingerprint, fingerprint, torch_dtype_name
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
