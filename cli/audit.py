@@ -10,19 +10,11 @@ from pathlib import Path
 import click
 
 from kvgraft.audit import AuditReport
-from kvgraft.cli.manage import parse_duration
+from kvgraft.cli.common import current_registry, json_option, parse_duration
 from kvgraft.cli.output import emit_json, emit_table, err, human_bytes
-from kvgraft.client import Registry
 from kvgraft.errors import IntegrityError, Unavailable, UsageError
 from kvgraft.fsutil import atomic_writer
 from kvgraft.reference import Reference
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-
-
-def _registry(ctx: click.Context) -> Registry:
-    reg: Registry = ctx.find_object(Registry)  # type: ignore[assignment]
-    return reg
 
 
 def parse_since(text: str, now: datetime | None = None) -> datetime:
@@ -58,7 +50,7 @@ def _write(output: Path | None, lines: list[str]) -> None:
 def log(ctx: click.Context, ref: str | None, since: str | None, action: str | None,
         as_json: bool) -> None:
     """List audit events, oldest first (of the artifact REF names, if given)."""
-    events = _registry(ctx).log(Reference.parse(ref) if ref else None,
+    events = current_registry(ctx).log(Reference.parse(ref) if ref else None,
                                 since=parse_since(since) if since else None, action=action)
     if as_json:
         for e in events:
@@ -92,7 +84,7 @@ def provenance() -> None:
 def provenance_export(ctx: click.Context, ref: str, output: Path | None, signed: bool) -> None:
     """Write REF's in-toto statements as JSON lines: the kvgraft provenance statement
     derived from its manifest and first push, then every stored attestation."""
-    statement, attestations = _registry(ctx).provenance(Reference.parse(ref))
+    statement, attestations = current_registry(ctx).provenance(Reference.parse(ref))
     if signed:
         lines = [a.envelope.decode() for a in attestations if a.envelope is not None]
         if not lines:
@@ -116,7 +108,7 @@ def key() -> None:
 @click.pass_context
 def key_generate(ctx: click.Context, name: str, as_json: bool) -> None:
     """Generate the key NAME (trusted by this configuration from the start)."""
-    public = _registry(ctx).keyring.generate(name)
+    public = current_registry(ctx).keyring.generate(name)
     if as_json:
         emit_json(public.to_json())
         return
@@ -130,7 +122,7 @@ def key_generate(ctx: click.Context, name: str, as_json: bool) -> None:
 @click.pass_context
 def key_ls(ctx: click.Context, as_json: bool) -> None:
     """List this keyring's keys and the trusted public keys."""
-    infos = _registry(ctx).keyring.listing()
+    infos = current_registry(ctx).keyring.listing()
     if as_json:
         for i in infos:
             emit_json({"name": i.name, "keyid": i.keyid, "private": i.private,
@@ -148,7 +140,7 @@ def key_ls(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def key_export(ctx: click.Context, name: str, pem: bool, output: Path | None) -> None:
     """Print the public key NAME (a securesystemslib key document, or PEM)."""
-    public = _registry(ctx).keyring.public(name)
+    public = current_registry(ctx).keyring.public(name)
     text = public.pem().decode().rstrip("\n") if pem else json.dumps(public.to_json(),
                                                                       sort_keys=True)
     _write(output, [text])
@@ -164,7 +156,7 @@ def trust() -> None:
 @click.pass_context
 def trust_add(ctx: click.Context, file: Path) -> None:
     """Trust the public key in FILE (from `kvgraft key export`, JSON or PEM)."""
-    public, added = _registry(ctx).keyring.trust_file(file)
+    public, added = current_registry(ctx).keyring.trust_file(file)
     err(f"{'trusted' if added else 'already trusted'}: {public.name or 'key'} {public.keyid}")
     click.echo(public.keyid)
 
@@ -178,7 +170,7 @@ def trust_add(ctx: click.Context, file: Path) -> None:
 @click.pass_context
 def sign(ctx: click.Context, ref: str, key_name: str, as_json: bool) -> None:
     """Sign REF's provenance statement (a DSSE envelope, stored as an attestation)."""
-    digest, keyid, att_id = _registry(ctx).sign(Reference.parse(ref), key_name)
+    digest, keyid, att_id = current_registry(ctx).sign(Reference.parse(ref), key_name)
     if as_json:
         emit_json({"digest": str(digest), "keyid": keyid, "attestation": att_id})
         return
@@ -245,7 +237,7 @@ def _print_audit(ref: str, r: AuditReport) -> None:
 def audit(ctx: click.Context, ref: str, as_json: bool) -> None:
     """Everything about REF: manifest, model, provenance, lineage, attestations and
     signatures, every blob re-hashed, events. Exit 4 when anything fails to check out."""
-    report = _registry(ctx).audit(Reference.parse(ref))
+    report = current_registry(ctx).audit(Reference.parse(ref))
     if as_json:
         emit_json(report.to_json())
     else:
@@ -267,7 +259,7 @@ def audit(ctx: click.Context, ref: str, as_json: bool) -> None:
 def gc(ctx: click.Context, dry_run: bool, grace: str, untagged: str | None,
        as_json: bool) -> None:
     """Delete unreferenced blobs (and, with --untagged-older-than, old untagged artifacts)."""
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     plan = reg.gc_plan(grace=parse_duration(grace),
                        untagged_older_than=parse_duration(untagged) if untagged else None)
     summary = (f"{len(plan.artifacts)} artifact(s), {len(plan.blobs)} blob(s), "

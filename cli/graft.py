@@ -11,18 +11,13 @@ from typing import Any, TypeVar
 
 import click
 
+from kvgraft.cli.common import current_registry, json_option, parse_labels
 from kvgraft.cli.output import emit_json, err
 from kvgraft.client import Registry
 from kvgraft.errors import UsageError
 from kvgraft.reference import Reference
 
 F = TypeVar("F", bound=Callable[..., Any])
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-
-
-def _registry(ctx: click.Context) -> Registry:
-    reg: Registry = ctx.find_object(Registry)  # type: ignore[assignment]
-    return reg
 
 
 def model_options(fn: F) -> F:
@@ -72,7 +67,7 @@ def _fingerprint_dir(reg: Registry, spec: str, dtype: str | None) -> Any:
 def fingerprint_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: int | None,
                     as_json: bool) -> None:
     """Print a model's identity: architecture, tokenizer and weights digests."""
-    fp = _fingerprint_dir(_registry(ctx), model_spec, dtype)
+    fp = _fingerprint_dir(current_registry(ctx), model_spec, dtype)
     if as_json:
         emit_json({**fp.to_json(), "key": str(fp.identity.key)})
         return
@@ -104,11 +99,10 @@ def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None
     """Run the prefill of a text on a model and push its KV cache as REF."""
     import tempfile
 
-    from kvgraft.cli.main import _labels
     from kvgraft.integrations.transformers import capture, chat_tokens
     from kvgraft.push import PushOptions
 
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     reference = Reference.parse(ref)
     lm = _load(reg, model_spec, dtype, threads)
     if chat_file is not None:
@@ -121,7 +115,7 @@ def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None
     with tempfile.TemporaryDirectory(prefix="kvgraft-capture-") as tmp:
         path = output or Path(tmp) / "graft.kv"
         cap = capture(lm, path, **kwargs)
-        result = reg.push(cap.path, reference, labels=_labels(labels),
+        result = reg.push(cap.path, reference, labels=parse_labels(labels),
                           options=PushOptions(chunk_tokens=chunk_tokens))
     if as_json:
         emit_json({"digest": str(result.digest), "reference": str(reference),
@@ -144,7 +138,7 @@ def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
     """Report whether the graft REF belongs to a model (exit 5 when it does not)."""
     from kvgraft.compat import compare
 
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     reference = Reference.parse(ref)
     manifest = reg.manifest(reg.resolve(reference))
     live = _fingerprint_dir(reg, model_spec, dtype)
@@ -177,7 +171,7 @@ def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
     """Generate from a prompt with the graft REF restored instead of its prefill."""
     from kvgraft.integrations.transformers import graft_generate
 
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     prompt = _text(text, text_file)
     lm = _load(reg, model_spec, dtype, threads)
     if force_incompatible:
@@ -214,7 +208,7 @@ def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str |
     from kvgraft.errors import IntegrityError
     from kvgraft.integrations.transformers import verify_graft
 
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     lm = _load(reg, model_spec, dtype, threads)
     report = verify_graft(reg, lm, Reference.parse(ref), suffix=suffix_text, steps=steps,
                           recompute=recompute)
@@ -265,7 +259,7 @@ def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: i
     from kvgraft.integrations.transformers.capture import tokenize
     from kvgraft.match import match
 
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     fp = _fingerprint_dir(reg, model_spec, dtype)
     from kvgraft.integrations.transformers.models import resolve_model_dir
 

@@ -10,6 +10,7 @@ import click
 
 from kvgraft import __version__
 from kvgraft.cli import audit, graft, manage
+from kvgraft.cli.common import current_registry, json_option, parse_labels, policy_options
 from kvgraft.cli.errors import run_guarded
 from kvgraft.cli.output import emit_json, emit_table, err, human_bytes, progress_bar
 from kvgraft.client import Registry
@@ -25,26 +26,8 @@ class GuardedGroup(click.Group):
         return run_guarded(lambda: super(GuardedGroup, self).invoke(ctx))
 
 
-def _registry(ctx: click.Context) -> Registry:
-    reg: Registry = ctx.find_object(Registry)  # type: ignore[assignment]
-    return reg
-
-
 def _ref(text: str) -> Reference:
     return Reference.parse(text)
-
-
-def _labels(pairs: tuple[str, ...]) -> dict[str, str]:
-    out = {}
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq:
-            raise UsageError(f"labels are key=value, got {pair!r}")
-        out[key] = value
-    return out
-
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
 @click.group(cls=GuardedGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -86,13 +69,13 @@ def cli(ctx: click.Context, home: Path | None, catalog_url: str | None, blob_url
 def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chunk_tokens: int,
          codec: str, level: int | None, parents: tuple[str, ...], as_json: bool) -> None:
     """Push the KV file FILE as REF (name[:tag]); prints the artifact digest."""
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     reference = _ref(ref)
     options = PushOptions(chunk_tokens=chunk_tokens, codec=codec, level=level,
                           parents=tuple(reg.resolve(p) for p in parents))
     size = file.stat().st_size if file.is_file() else 0
     with progress_bar(f"push {reference}", size) as advance:
-        result = reg.push(file, reference, labels=_labels(labels), options=options,
+        result = reg.push(file, reference, labels=parse_labels(labels), options=options,
                           progress=advance)
     if as_json:
         emit_json({"digest": str(result.digest), "reference": str(result.reference),
@@ -110,16 +93,13 @@ def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chun
 @click.argument("ref")
 @click.option("--output", "-o", type=click.Path(path_type=Path, dir_okay=False),
               help="Write the original KV file here.")
-@click.option("--require-signed-by", "signed_by", multiple=True, metavar="KEYID",
-              help="Refuse unless signed by this trusted key (repeatable: any one of them).")
-@click.option("--require-verified", is_flag=True,
-              help="Refuse unless a fidelity check on the graft's model passed.")
+@policy_options
 @json_option
 @click.pass_context
 def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str, ...],
          require_verified: bool, as_json: bool) -> None:
     """Pull REF into the local cache, verifying every byte; --output rebuilds the file."""
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     reference = _ref(ref)
     total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:
@@ -142,7 +122,7 @@ def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str
 @click.pass_context
 def ls(ctx: click.Context, pattern: str | None, as_json: bool) -> None:
     """List tagged artifacts, optionally those whose name matches PATTERN (* and ?)."""
-    tags = _registry(ctx).list(pattern)
+    tags = current_registry(ctx).list(pattern)
     if as_json:
         for t in tags:
             emit_json({"repository": t.repository, "tag": t.tag, "digest": str(t.digest),
@@ -159,7 +139,7 @@ def ls(ctx: click.Context, pattern: str | None, as_json: bool) -> None:
 @click.pass_context
 def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
     """Show an artifact's manifest, model identity, tags and sizes."""
-    info = _registry(ctx).inspect(_ref(ref))
+    info = current_registry(ctx).inspect(_ref(ref))
     if as_json:
         emit_json(info.to_json())
         return
@@ -189,7 +169,7 @@ def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
 @click.pass_context
 def tag(ctx: click.Context, ref: str, new_ref: str) -> None:
     """Point NEW_REF (name:tag) at the artifact REF names."""
-    digest = _registry(ctx).tag(_ref(ref), _ref(new_ref))
+    digest = current_registry(ctx).tag(_ref(ref), _ref(new_ref))
     err(f"tagged {new_ref}")
     click.echo(str(digest))
 
@@ -199,7 +179,7 @@ def tag(ctx: click.Context, ref: str, new_ref: str) -> None:
 @click.pass_context
 def untag(ctx: click.Context, ref: str) -> None:
     """Remove the tag REF (the artifact stays, addressable by digest)."""
-    digest = _registry(ctx).untag(_ref(ref))
+    digest = current_registry(ctx).untag(_ref(ref))
     err(f"untagged {ref} (was {digest.short})")
 
 
@@ -212,7 +192,7 @@ def verify(ctx: click.Context, ref: str | None, all_: bool, as_json: bool) -> No
     """Re-read every blob of REF (or --all) from the store and check size and digest."""
     if (ref is None) == (not all_):
         raise UsageError("give a REF or --all (not both)")
-    reports = _registry(ctx).verify(_ref(ref) if ref else None)
+    reports = current_registry(ctx).verify(_ref(ref) if ref else None)
     bad = [(r, b) for r in reports for b in r.bad]
     if as_json:
         for r in reports:
@@ -240,7 +220,7 @@ def db_upgrade(ctx: click.Context) -> None:
     from kvgraft.catalog import Catalog
     from kvgraft.catalog.schema import head_revision
 
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     catalog = Catalog.open(reg.config.catalog_url, auto_upgrade=True)
     catalog.close()
     err(f"catalog at revision {head_revision()}")
@@ -255,7 +235,7 @@ def db_current(ctx: click.Context, as_json: bool) -> None:
     from kvgraft.catalog.engine import make_engine, safe_url
     from kvgraft.catalog.schema import head_revision
 
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     catalog = Catalog(make_engine(reg.config.catalog_url), reg.config.catalog_url)
     current, head = catalog.current_revision(), head_revision()
     catalog.close()

@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import click
 
+from kvgraft.cli.common import current_registry, json_option, parse_duration
 from kvgraft.cli.output import emit_json, emit_table, err, human_bytes
 from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.errors import UsageError
 from kvgraft.reference import Reference
 from kvgraft.remotes import Remote, add_remote, load_remotes, remove_remote
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-
-_DURATION = re.compile(r"(\d+)([smhdw]?)")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-def parse_duration(text: str) -> float:
-    """'0s', '30s', '15m', '24h', '7d', '2w' → seconds."""
-    m = _DURATION.fullmatch(text.strip())
-    if m is None:
-        raise UsageError(f"not a duration: {text!r}", hint="use e.g. 30s, 15m, 24h, 7d")
-    return int(m.group(1)) * _UNITS[m.group(2)]
-
-
-def _registry(ctx: click.Context) -> Registry:
-    reg: Registry = ctx.find_object(Registry)  # type: ignore[assignment]
-    return reg
 
 
 @click.group()
@@ -48,7 +30,7 @@ def remote() -> None:
 def remote_add(ctx: click.Context, name: str, catalog_url: str, blob_url: str,
                cache_dir: Path | None, replace: bool) -> None:
     """Add a remote NAME."""
-    home = _registry(ctx).config.home
+    home = current_registry(ctx).config.home
     add_remote(home, Remote(name, catalog_url, blob_url, cache_dir), replace=replace)
     err(f"added remote {name}")
 
@@ -58,7 +40,7 @@ def remote_add(ctx: click.Context, name: str, catalog_url: str, blob_url: str,
 @click.pass_context
 def remote_ls(ctx: click.Context, as_json: bool) -> None:
     """List remotes."""
-    remotes = load_remotes(_registry(ctx).config.home).values()
+    remotes = load_remotes(current_registry(ctx).config.home).values()
     if as_json:
         for r in remotes:
             emit_json({"name": r.name, "catalog": r.catalog_url, "store": r.blob_url,
@@ -76,7 +58,7 @@ def remote_ls(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def remote_rm(ctx: click.Context, name: str) -> None:
     """Remove the remote NAME (nothing in it is deleted)."""
-    remove_remote(_registry(ctx).config.home, name)
+    remove_remote(current_registry(ctx).config.home, name)
     err(f"removed remote {name}")
 
 
@@ -89,7 +71,7 @@ def copy(ctx: click.Context, src: str, dst: str, as_json: bool) -> None:
     """Copy SRC (a reference in the current registry) to DST (REMOTE/name[:tag]).
 
     Only blobs the target lacks are transferred."""
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     remote_name, slash, rest = dst.partition("/")
     if not slash or not rest:
         raise UsageError(f"the target is REMOTE/name[:tag], got {dst!r}")
@@ -118,7 +100,7 @@ def cache() -> None:
 @click.pass_context
 def cache_ls(ctx: click.Context, as_json: bool) -> None:
     """List cached artifacts and how much of each is present."""
-    arts = _registry(ctx).cache.artifacts()
+    arts = current_registry(ctx).cache.artifacts()
     if as_json:
         for a in arts:
             emit_json({"digest": str(a.digest), "refs": list(a.refs), "size": a.size,
@@ -140,7 +122,7 @@ def cache_prune(ctx: click.Context, older_than: str | None, everything: bool, dr
                 as_json: bool) -> None:
     """Remove cached blobs no remembered artifact needs (and old artifacts with --older-than)."""
     seconds = parse_duration(older_than) if older_than else None
-    report = _registry(ctx).cache.prune(older_than=seconds, everything=everything,
+    report = current_registry(ctx).cache.prune(older_than=seconds, everything=everything,
                                         dry_run=dry_run)
     if as_json:
         emit_json({"artifacts": report.artifacts, "blobs": report.blobs,

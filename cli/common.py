@@ -1,0 +1,59 @@
+"""What every command module shares: the registry of the invocation, the shared options and
+the parsers of option values. Imports nothing heavy, so that the command modules (and
+`kvgraft --help`) load without the catalog, the store or numpy."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import click
+
+from kvgraft.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvgraft.client import Registry
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+_DURATION = re.compile(r"(\d+)([smhdw]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def current_registry(ctx: click.Context) -> Registry:
+    """The Registry the `kvgraft` group opened for this invocation (lazily: nothing is
+    connected until a command touches the catalog or the store)."""
+    reg: Registry = ctx.find_root().obj
+    return reg
+
+
+def policy_options(fn: F) -> F:
+    """--require-signed-by / --require-verified: added to the [policy] of config.toml."""
+    fn = click.option("--require-verified", is_flag=True,
+                      help="Refuse unless a fidelity check on the graft's model passed.")(fn)
+    fn = click.option("--require-signed-by", "signed_by", multiple=True, metavar="KEYID",
+                      help="Refuse unless signed by this trusted key (repeatable: any one "
+                           "of them).")(fn)
+    return fn
+
+
+def parse_labels(pairs: tuple[str, ...]) -> dict[str, str]:
+    """KEY=VALUE option values → a dict."""
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise UsageError(f"labels are key=value, got {pair!r}")
+        out[key] = value
+    return out
+
+
+def parse_duration(text: str) -> float:
+    """'0s', '30s', '15m', '24h', '7d', '2w' → seconds."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None:
+        raise UsageError(f"not a duration: {text!r}", hint="use e.g. 30s, 15m, 24h, 7d")
+    return int(m.group(1)) * _UNITS[m.group(2)]
