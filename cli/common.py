@@ -30,14 +30,18 @@ def current_registry(ctx: click.Context) -> Registry:
     return reg
 
 
+def signed_by_option(fn: F) -> F:
+    """--require-signed-by: added to the [policy] of config.toml."""
+    return click.option("--require-signed-by", "signed_by", multiple=True, metavar="KEYID",
+                        help="Refuse unless signed by this trusted key (repeatable: any one "
+                             "of them).")(fn)
+
+
 def policy_options(fn: F) -> F:
     """--require-signed-by / --require-verified: added to the [policy] of config.toml."""
     fn = click.option("--require-verified", is_flag=True,
                       help="Refuse unless a fidelity check on the graft's model passed.")(fn)
-    fn = click.option("--require-signed-by", "signed_by", multiple=True, metavar="KEYID",
-                      help="Refuse unless signed by this trusted key (repeatable: any one "
-                           "of them).")(fn)
-    return fn
+    return signed_by_option(fn)
 
 
 def parse_labels(pairs: tuple[str, ...]) -> dict[str, str]:

@@ -11,7 +11,13 @@ from typing import Any, TypeVar
 
 import click
 
-from kvgraft.cli.common import current_registry, json_option, parse_labels
+from kvgraft.cli.common import (
+    current_registry,
+    json_option,
+    parse_labels,
+    policy_options,
+    signed_by_option,
+)
 from kvgraft.cli.output import emit_json, err
 from kvgraft.client import Registry
 from kvgraft.errors import UsageError
@@ -131,17 +137,22 @@ def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None
 @click.command("check")
 @click.argument("ref")
 @model_options
+@policy_options
 @json_option
 @click.pass_context
 def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
-              threads: int | None, as_json: bool) -> None:
-    """Report whether the graft REF belongs to a model (exit 5 when it does not)."""
+              threads: int | None, signed_by: tuple[str, ...], require_verified: bool,
+              as_json: bool) -> None:
+    """Report whether the graft REF belongs to a model (exit 5 when it does not; exit 4
+    when the policy refuses it)."""
     from kvgraft.compat import compare
 
     reg = current_registry(ctx)
     reference = Reference.parse(ref)
-    manifest = reg.manifest(reg.resolve(reference))
     live = _fingerprint_dir(reg, model_spec, dtype)
+    manifest = reg.open(reference, require_signed_by=signed_by,
+                        require_verified=require_verified, model=live.identity,
+                        action="check").manifest
     report = compare(manifest.model, manifest.model_config, live)
     if as_json:
         emit_json({"reference": str(reference), "digest": str(manifest.digest),
@@ -160,14 +171,13 @@ def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
 @click.option("--max-new-tokens", type=click.IntRange(1), default=32, show_default=True)
 @click.option("--force-incompatible", is_flag=True,
               help="UNSAFE, for experiments: load a graft made for another model (audited).")
-@click.option("--require-verified", is_flag=True,
-              help="Refuse unless a fidelity check of this graft on this model passed.")
+@policy_options
 @json_option
 @click.pass_context
 def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               threads: int | None, text: str | None, text_file: Path | None,
-              max_new_tokens: int, force_incompatible: bool, require_verified: bool,
-              as_json: bool) -> None:
+              max_new_tokens: int, force_incompatible: bool, signed_by: tuple[str, ...],
+              require_verified: bool, as_json: bool) -> None:
     """Generate from a prompt with the graft REF restored instead of its prefill."""
     from kvgraft.integrations.transformers import graft_generate
 
@@ -179,7 +189,7 @@ def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
             "silently; this use is recorded in the audit log")
     result = graft_generate(reg, lm, Reference.parse(ref), prompt=prompt,
                             max_new_tokens=max_new_tokens, force_incompatible=force_incompatible,
-                            require_verified=require_verified)
+                            require_signed_by=signed_by, require_verified=require_verified)
     if as_json:
         emit_json(result.to_json())
         return
@@ -198,20 +208,23 @@ def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               help="Greedy steps compared after the suffix.")
 @click.option("--recompute", is_flag=True,
               help="Also recompute the KV from the token ids and compare every tensor digest.")
+@signed_by_option
 @json_option
 @click.pass_context
 def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
                      threads: int | None, suffix_text: str | None, steps: int, recompute: bool,
-                     as_json: bool) -> None:
+                     signed_by: tuple[str, ...], as_json: bool) -> None:
     """Check that REF grafted gives logits byte-identical to the fresh two-step computation
-    (exit 4 when not); a pass is stored as an attestation on the artifact."""
+    (exit 4 when not); a pass is stored as an attestation on the artifact. A graft the
+    signing policy refuses is not loaded (exit 4); require_verified does not apply here,
+    this is the check that verifies."""
     from kvgraft.errors import IntegrityError
     from kvgraft.integrations.transformers import verify_graft
 
     reg = current_registry(ctx)
     lm = _load(reg, model_spec, dtype, threads)
     report = verify_graft(reg, lm, Reference.parse(ref), suffix=suffix_text, steps=steps,
-                          recompute=recompute)
+                          recompute=recompute, require_signed_by=signed_by)
     if as_json:
         emit_json(report.to_json())
     else:
@@ -249,11 +262,14 @@ def steps_text(s: dict[str, Any]) -> str:
 @click.command("match")
 @model_options
 @text_options
+@policy_options
 @json_option
 @click.pass_context
 def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: int | None,
-              text: str | None, text_file: Path | None, as_json: bool) -> None:
-    """Find the artifact holding the longest cached prefix of a text for a model."""
+              text: str | None, text_file: Path | None, signed_by: tuple[str, ...],
+              require_verified: bool, as_json: bool) -> None:
+    """Find the artifact holding the longest cached prefix of a text for a model (only
+    artifacts the policy accepts; exit 4 when it refuses every one holding a prefix)."""
     from transformers import AutoTokenizer
 
     from kvgraft.integrations.transformers.capture import tokenize
@@ -265,15 +281,17 @@ def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: i
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_spec, reg.config.cache_dir))
     ids = tokenize(tokenizer, _text(text, text_file))
-    found = match(reg, fp.identity, ids)
+    found = match(reg, fp.identity, ids, require_signed_by=signed_by,
+                  require_verified=require_verified)
     if as_json:
         emit_json({"query_tokens": len(ids), "match": found.to_json() if found else None})
         return
     if found is None:
         click.echo(f"no cached prefix for these {len(ids)} tokens")
         return
+    names = ", ".join(found.references) or "untagged"
     click.echo(f"{found.digest}  {found.length} of {len(ids)} tokens cached "
-               f"(artifact holds {found.token_count})")
+               f"(artifact holds {found.token_count}; {names})")
 
 
 COMMANDS = [fingerprint_cmd, capture_cmd, check_cmd, graft_cmd, verify_graft_cmd, match_cmd]

@@ -32,6 +32,11 @@ if TYPE_CHECKING:
     from kvgraft.provenance import Keyring, Statement
 
 _LABEL_KEY_MAX = 255
+# Parsed manifests, remembered per process: a digest names immutable content (a manifest
+# is kept only after it hashed to its digest), and schema validation costs more than the
+# rest of a small graft's load.
+_MANIFESTS: dict[Digest, Manifest] = {}
+_MANIFESTS_MAX = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,17 @@ class PullResult:
     reference: Reference
     output: Path | None
     stats: FetchStats
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedArtifact:
+    """An artifact the policy accepted for use: its manifest and a fetcher that reads its
+    blobs through the machine cache (from the store when missing), each verified."""
+
+    reference: Reference | None  # None when opened by bare digest
+    digest: Digest
+    manifest: Manifest
+    fetcher: Fetcher
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +183,15 @@ class Registry:
         return self.catalog.resolve(ref)
 
     def manifest(self, digest: Digest) -> Manifest:
+        manifest = _MANIFESTS.get(digest)
+        if manifest is None:
+            manifest = self._read_manifest(digest)
+            if len(_MANIFESTS) >= _MANIFESTS_MAX:
+                _MANIFESTS.pop(next(iter(_MANIFESTS)))
+            _MANIFESTS[digest] = manifest
+        return manifest
+
+    def _read_manifest(self, digest: Digest) -> Manifest:
         cached = self.cache.get_manifest(digest)
         if cached is not None:
             return Manifest.parse(cached, digest)
@@ -180,6 +205,21 @@ class Registry:
         self.cache.put_manifest(digest, raw)
         return manifest
 
+    def open(self, ref: Reference | Digest | str, *, require_signed_by: Sequence[str] = (),
+             require_verified: bool = False, model: ModelIdentity | None = None,
+             for_verification: bool = False, action: str = "load") -> OpenedArtifact:
+        """The one way to open an artifact for use: resolve `ref`, read its manifest,
+        enforce the policy (`check_policy`), and hand back a fetcher reading its blobs
+        through the machine cache. Every path that hands KV to a model goes through here."""
+        reference = _as_reference(ref)
+        digest = ref if isinstance(ref, Digest) else self.resolve(ref)
+        manifest = self.manifest(digest)
+        self.check_policy(reference or digest, manifest, require_signed_by=require_signed_by,
+                          require_verified=require_verified, model=model,
+                          for_verification=for_verification, action=action)
+        fetcher = Fetcher(None if self.config.offline else self.store, self.cache)
+        return OpenedArtifact(reference, digest, manifest, fetcher)
+
     def pull(self, ref: Reference | str, output: Path | None = None, *,
              progress: Progress | None = None, workers: int = 2,
              require_signed_by: Sequence[str] = (),
@@ -187,15 +227,16 @@ class Registry:
         """`require_signed_by` (keyids or key names, any one) and `require_verified` (True:
         for the graft's own model; or the live model's identity) add to the [policy] of
         config.toml; a refused pull raises PolicyRefused (exit 4) and is logged."""
+        opened = self.open(ref, require_signed_by=require_signed_by,
+                           require_verified=bool(require_verified),
+                           model=require_verified if isinstance(require_verified, ModelIdentity)
+                           else None, action="pull")
+        digest, manifest = opened.digest, opened.manifest
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
-        digest = self.resolve(ref)
-        manifest = self.manifest(digest)
-        self._enforce_policy(ref, digest, manifest, require_signed_by, require_verified)
-        fetcher = Fetcher(None if self.config.offline else self.store, self.cache)
         if output is None:
-            stats = fetch(manifest, fetcher, workers=workers, progress=progress)
+            stats = fetch(manifest, opened.fetcher, workers=workers, progress=progress)
         else:
-            stats = export(manifest, fetcher, output, workers=workers, progress=progress)
+            stats = export(manifest, opened.fetcher, output, workers=workers, progress=progress)
         if self.config.offline:
             return PullResult(digest, ref, output, stats)  # no catalog to log to
         self.cache.put_ref(ref, digest)
@@ -356,30 +397,44 @@ class Registry:
         return execute(self.catalog, self.store, gc_plan,
                        self._event("gc", detail={"store": self.store.url}))
 
-    def _enforce_policy(self, ref: Reference, digest: Digest, manifest: Manifest,
-                        signed_by: Sequence[str], verified: bool | ModelIdentity) -> None:
+    def check_policy(self, ref: Reference | Digest | str, manifest: Manifest, *,
+                     require_signed_by: Sequence[str] = (), require_verified: bool = False,
+                     model: ModelIdentity | None = None, for_verification: bool = False,
+                     action: str = "load") -> None:
+        """Refuse the artifact of `manifest` (named by `ref`) unless the policy accepts it:
+        `require_signed_by` (keyids or key names, any one) and `require_verified` add to
+        the [policy] table of config.toml. A verification must be for `model` (the live
+        model) when given, else for the graft's own model. `for_verification` marks the
+        fidelity check itself: it is what produces a verification, so require_verified
+        does not apply to it (a signature requirement still does). A refusal is
+        PolicyRefused (exit 4), recorded as an `action` event with outcome "refused"."""
         from kvgraft.provenance import PolicyRefused, load_policy
         from kvgraft.provenance import require_signed_by as signed_check
         from kvgraft.provenance import require_verified as verified_check
 
+        reference = _as_reference(ref)
+        digest = manifest.digest
         policy = load_policy(self.config.home, self.keyring)
-        keyids = tuple(self.keyring.resolve(k) for k in signed_by) or policy.require_signed_by
-        identity = verified if isinstance(verified, ModelIdentity) else \
-            (manifest.model if verified or policy.require_verified else None)
+        keyids = (tuple(self.keyring.resolve(k) for k in require_signed_by)
+                  or policy.require_signed_by)
+        wanted = (require_verified or policy.require_verified) and not for_verification
+        identity = (model or manifest.model) if wanted else None
         if not keyids and identity is None:
             return
+        what = str(reference) if reference is not None else str(digest)
         if self.config.offline:
-            raise PolicyRefused(f"cannot check the signing/verification policy for {ref} "
-                                "offline (it needs the catalog)")
+            raise PolicyRefused(f"cannot check the signing/verification policy for "
+                                f"{what} offline (it needs the catalog)")
         try:
             if keyids:
                 signed_check(self.catalog, digest, keyids, self.keyring.trusted())
             if identity is not None:
                 verified_check(self.catalog, digest, identity)
         except PolicyRefused as e:
-            self.catalog.add_event(self._event("pull", repository=ref.name, tag=ref.tag,
-                                               digest=digest, outcome="refused",
-                                               detail={"reason": e.message}))
+            self.catalog.add_event(self._event(
+                action, repository=reference.name if reference else None,
+                tag=reference.tag if reference else None, digest=digest, outcome="refused",
+                detail={"reason": e.message}))
             raise
 
     def _ensure_blobs(self, manifest: Manifest,
@@ -387,3 +442,9 @@ class Registry:
         from kvgraft.gc import ensure_blobs
 
         ensure_blobs(self.catalog, self.store, manifest, reupload)
+
+
+def _as_reference(ref: Reference | Digest | str) -> Reference | None:
+    if isinstance(ref, Digest):
+        return None
+    return Reference.parse(ref) if isinstance(ref, str) else ref

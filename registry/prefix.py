@@ -29,3 +29,22 @@ def prefix_keys(identity: ModelIdentity, token_bytes: Buffer, chunk_tokens: int)
         prev = h.digest()
         keys.append(Digest(prev.hex()))
     return keys
+
+
+def tail_keys(identity: ModelIdentity, token_bytes: Buffer, after: Digest | None,
+              start: int, count: int) -> list[Digest]:
+    """The keys of a last, partial chunk of 1..`count` tokens starting at token `start`,
+    chained after the key `after` (None at the start): key r-1 names the first r of them.
+    A graft's last chunk is shorter than the chunk size unless it divides the token count,
+    so these find a graft the query extends by its own last key."""
+    view = memoryview(token_bytes)
+    prev = bytes.fromhex(after.hex) if after is not None else _SEED
+    model = identity.key.raw
+    lo = start * TOKEN_BYTES
+    keys = []
+    for r in range(1, count + 1):
+        h = hashlib.sha256(prev)
+        h.update(model)
+        h.update(view[lo : lo + r * TOKEN_BYTES])
+        keys.append(Digest(h.hexdigest()))
+    return keys

@@ -59,3 +59,31 @@ def test_prefix_lookup_uses_the_index(registry: Registry) -> None:
             "EXPLAIN QUERY PLAN SELECT idx FROM artifact_chunks WHERE prefix_key = 'x' LIMIT 1"
         )).fetchall()
     assert "ix_artifact_chunks_prefix_key" in " ".join(str(r) for r in plan)
+
+
+def test_graft_shorter_than_a_chunk_is_found_for_a_prompt_extending_it(
+        registry: Registry, tmp_path: Path) -> None:
+    ident = synthetic_identity("m")
+    short = push(registry, tmp_path, "short", BASE[:20])  # one partial chunk of 64
+    found = match(registry, ident, [*BASE[:20], 7, 8, 9])
+    assert found is not None and str(found.digest) == short and found.length == 20
+    assert found.references == ("t/short:v1",)
+    found = match(registry, ident, [*BASE[:19], 7])  # diverges inside it: 19 tokens
+    assert found is None or found.length < 20
+    assert match(registry, ident, [1, *BASE[:20]]) is None
+
+
+def test_partial_last_chunk_is_found_for_a_prompt_extending_it(
+        registry: Registry, tmp_path: Path) -> None:
+    ident = synthetic_identity("m")
+    # Many newer artifacts share the first two chunks: the token comparison over a bounded
+    # candidate list would not reach the one whose partial last chunk the prompt extends.
+    tail = push(registry, tmp_path, "tail", BASE[:150])  # chunks 64 + 64 + 22
+    for i in range(5):
+        push(registry, tmp_path, f"noise{i}", [*BASE[:128], 5000 + i] * 1)
+    found = match(registry, ident, [*BASE[:150], 1, 2, 3], max_candidates=3)
+    assert found is not None and str(found.digest) == tail and found.length == 150
+    assert found.references == ("t/tail:v1",)
+    registry.tag("t/tail:v1", "t/other:latest")
+    found = match(registry, ident, [*BASE[:150], 4])
+    assert found is not None and set(found.references) == {"t/tail:v1", "t/other:latest"}

@@ -69,6 +69,22 @@ def artifacts_with_key(catalog: Catalog, key: Digest, limit: int) -> list[tuple[
     return [(Digest.parse(d), int(n)) for d, n in rows]
 
 
+def artifacts_with_keys(catalog: Catalog, keys: Sequence[Digest],
+                        limit: int) -> list[tuple[Digest, Digest]]:
+    """(artifact digest, the key it holds) of up to `limit` artifacts whose chain holds one
+    of `keys`, newest first: one IN query, an index seek per key."""
+    if not keys:
+        return []
+    with catalog._session() as s:
+        rows = s.execute(
+            select(ArtifactRow.digest, ArtifactChunkRow.prefix_key)
+            .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
+            .where(ArtifactChunkRow.prefix_key.in_([str(k) for k in keys]))
+            .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
+            .limit(limit)).all()
+    return [(Digest.parse(d), Digest.parse(k)) for d, k in rows]
+
+
 def any_artifacts_with_key(catalog: Catalog, keys: Sequence[Digest],
                            limit: int) -> list[tuple[Digest, int]]:
     """Like artifacts_with_key for several keys at once (one IN query)."""

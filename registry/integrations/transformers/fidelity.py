@@ -159,9 +159,11 @@ def recompute_tensors(lm: LoadedModel, token_ids: Sequence[int],
 def verify_graft(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
                  suffix: str | None = None, suffix_ids: Sequence[int] | None = None,
                  steps: int = 8, recompute: bool = False, attest: bool = True,
-                 ) -> FidelityReport:
+                 require_signed_by: Sequence[str] = ()) -> FidelityReport:
     """Compare the grafted continuation with the fresh two-step one (and, with
-    `recompute`, the stored tensors with a fresh prefill); attest a passing check."""
+    `recompute`, the stored tensors with a fresh prefill); attest a passing check. The
+    graft is opened under the policy's signature requirement (`require_signed_by` adds
+    to it); require_verified does not apply to the check that produces verification."""
     import time
 
     if suffix is not None and suffix_ids is not None:
@@ -175,7 +177,8 @@ def verify_graft(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
         raise UsageError("steps must be at least 0")
     reference = Reference.parse(ref) if isinstance(ref, str) else ref
     t0 = time.perf_counter()
-    graft = load_graft(reference, lm, registry=registry)
+    graft = load_graft(reference, lm, registry=registry, require_signed_by=require_signed_by,
+                       for_verification=True)
     t1 = time.perf_counter()
     grafted = greedy(lm, graft.cache(), ids, steps)
     t2 = time.perf_counter()

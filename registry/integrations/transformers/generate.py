@@ -84,6 +84,7 @@ def plan_reuse(graft: Graft, prompt: Sequence[int]) -> int:
 def graft_generate(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
                    prompt: str | None = None, prompt_ids: Sequence[int] | None = None,
                    max_new_tokens: int = 32, force_incompatible: bool = False,
+                   require_signed_by: Sequence[str] = (),
                    require_verified: bool = False) -> GraftResult:
     """Generate from `prompt` (text or token ids) with the prefill of its common prefix
     with the graft `ref` restored instead of computed."""
@@ -93,7 +94,7 @@ def graft_generate(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
         raise UsageError("max_new_tokens must be at least 1")
     t0 = time.perf_counter()
     graft = load_graft(ref, lm, registry=registry, force_incompatible=force_incompatible,
-                       require_verified=require_verified)
+                       require_signed_by=require_signed_by, require_verified=require_verified)
     ids = (tokenize(lm.tokenizer, prompt) if prompt is not None
            else [int(t) for t in prompt_ids or []])
     if not ids:

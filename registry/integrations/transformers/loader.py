@@ -22,7 +22,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvgraft.blobstore.base import BlobStore
 from kvgraft.cache import Cache
 from kvgraft.chunks import plan_chunks
 from kvgraft.client import Registry
@@ -239,37 +238,22 @@ def _tensor(buf: KVBuffer, base: int, t: TensorInfo, device: Any) -> Any:
     return flat.view(1, *t.shape).to(device)
 
 
-_MANIFESTS: dict[Digest, Manifest] = {}
-_MANIFESTS_MAX = 64
-
-
-def _manifest(registry: Registry, digest: Digest) -> Manifest:
-    """Parsed manifests, remembered per process: a digest names immutable content, and
-    schema validation costs more than the rest of a small graft's load."""
-    manifest = _MANIFESTS.get(digest)
-    if manifest is None:
-        manifest = registry.manifest(digest)
-        if len(_MANIFESTS) >= _MANIFESTS_MAX:
-            _MANIFESTS.pop(next(iter(_MANIFESTS)))
-        _MANIFESTS[digest] = manifest
-    return manifest
-
-
 def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
-               force_incompatible: bool = False, require_verified: bool = False,
+               force_incompatible: bool = False, require_signed_by: Sequence[str] = (),
+               require_verified: bool = False, for_verification: bool = False,
                workers: int = 2) -> Graft:
-    """Pull `ref` (through the cache), refuse it unless it belongs to `lm`, and return it
-    ready to restore. With `force_incompatible` a mismatch is logged as a warning and
-    recorded in the audit log (action "force-incompatible") instead of refused. With
-    `require_verified` the graft also needs a passing fidelity attestation for `lm`."""
+    """Open `ref` through `Registry.open` (the policy of config.toml plus
+    `require_signed_by` and `require_verified`, the latter for `lm`), refuse it unless it
+    belongs to `lm`, and return it ready to restore, read through the machine cache. With
+    `force_incompatible` a mismatch is logged as a warning and recorded in the audit log
+    (action "force-incompatible") instead of refused. `for_verification` is for the
+    fidelity check itself, which require_verified cannot apply to."""
     reference = Reference.parse(ref) if isinstance(ref, str) else ref
-    digest = registry.resolve(reference)
-    manifest = _manifest(registry, digest)
+    opened = registry.open(reference, require_signed_by=require_signed_by,
+                           require_verified=require_verified, model=lm.fingerprint.identity,
+                           for_verification=for_verification, action="load")
+    digest, manifest = opened.digest, opened.manifest
     what = f"graft {reference}"
-    if require_verified:
-        from kvgraft.provenance.policy import require_verified as check_verified
-
-        check_verified(registry.catalog, digest, lm.fingerprint.identity)
     report = compare(manifest.model, manifest.model_config, lm.fingerprint)
     if not report.ok:
         if not force_incompatible:
@@ -282,8 +266,7 @@ def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
                 digest=digest, outcome="forced",
                 detail={"model": lm.fingerprint.identity.to_json(),
                         "mismatches": [m.to_json() for m in report.mismatches]}))
-    store: BlobStore | None = None if registry.config.offline else registry.store
-    layout, buf, base = read_kv(manifest, Fetcher(store, registry.cache), workers=workers)
+    layout, buf, base = read_kv(manifest, opened.fetcher, workers=workers)
     _check_structure(layout, lm, what)
     if not registry.config.offline and reference.tag is not None:
         registry.cache.put_ref(reference, digest)
