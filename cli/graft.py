@@ -58,12 +58,16 @@ def _load(reg: Registry, spec: str, dtype: str | None, threads: int | None) -> A
 
 
 def _fingerprint_dir(reg: Registry, spec: str, dtype: str | None) -> Any:
+    import dataclasses
+
     from kvgraft.fingerprint import fingerprint_dir
-    from kvgraft.integrations.transformers.models import resolve_model_dir
+    from kvgraft.integrations.transformers.models import known_name, resolve_model_dir
 
     path = resolve_model_dir(spec, reg.config.cache_dir, dtype.upper() if dtype else None)
-    return fingerprint_dir(path, dtype=dtype.upper() if dtype else None,
-                           cache_dir=reg.config.cache_dir)
+    fp = fingerprint_dir(path, dtype=dtype.upper() if dtype else None,
+                         cache_dir=reg.config.cache_dir)
+    name = known_name(spec)
+    return dataclasses.replace(fp, name=name) if name else fp
 
 
 @click.command("fingerprint")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -94,12 +95,17 @@ def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chun
 @click.option("--output", "-o", type=click.Path(path_type=Path, dir_okay=False),
               help="Write the original KV file here.")
 @policy_options
+@click.option("--offline", is_flag=True,
+              help="Serve only from the local cache (like the global --offline).")
 @json_option
 @click.pass_context
 def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str, ...],
-         require_verified: bool, as_json: bool) -> None:
+         require_verified: bool, offline: bool, as_json: bool) -> None:
     """Pull REF into the local cache, verifying every byte; --output rebuilds the file."""
     reg = current_registry(ctx)
+    if offline and not reg.config.offline:
+        reg = Registry(dataclasses.replace(reg.config, offline=True))
+        ctx.call_on_close(reg.close)
     reference = _ref(ref)
     total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:

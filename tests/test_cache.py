@@ -115,3 +115,28 @@ def test_cache_ls_and_prune(cli_env: dict[str, str], tmp_path: Path) -> None:
     # The registry itself is untouched: a pull fetches again.
     r = runner.invoke(cli, ["pull", "t/a", "--json"])
     assert json.loads(r.stdout)["fetched"] == 4
+
+
+@pytest.mark.parametrize("form", ["subcommand", "global", "env"])
+def test_every_offline_form_serves_the_cache_alone(cli_env: dict[str, str], tmp_path: Path,
+                                                    form: str) -> None:
+    runner = CliRunner(env=cli_env)
+    src = write_synthetic(tmp_path / "a.kv", tokens=300)
+    assert runner.invoke(cli, ["push", str(src), "t/a:v1"]).exit_code == 0
+    assert runner.invoke(cli, ["pull", "t/a:v1"]).exit_code == 0
+    # Neither the catalog nor the store can be reached now: only the cache can answer.
+    gone = {**cli_env, "KVGRAFT_CATALOG_URL": "postgresql+psycopg://nobody@127.0.0.1:1/x",
+            "KVGRAFT_BLOB_URL": (tmp_path / "no-such-store").as_uri()}
+    out = tmp_path / "o.kv"
+    args = ["pull", "t/a:v1", "-o", str(out), "--json"]
+    if form == "subcommand":
+        args.append("--offline")
+    elif form == "global":
+        args.insert(0, "--offline")
+    r = CliRunner(env={**gone, "KVGRAFT_OFFLINE": "1"} if form == "env" else gone).invoke(
+        cli, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["fetched"] == 0
+    assert out.read_bytes() == src.read_bytes()
+    r = CliRunner(env=gone).invoke(cli, ["pull", "t/a:v1"])  # online: the catalog is gone
+    assert r.exit_code == 7, r.output

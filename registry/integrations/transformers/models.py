@@ -23,6 +23,7 @@ from kvgraft.fingerprint import Fingerprint, fingerprint, torch_dtype_name
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -86,7 +87,7 @@ def smollm2_dir(cache_dir: Path, dtype: str = "BF16") -> Path:
         gguf.parent, gguf_file=gguf.name, dtype=torch_dtype(dtype),
         quantization_config=GgufConfig(dequantize=True))
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model.config._name_or_path = SMOLLM2_NAME
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -103,6 +104,13 @@ def smollm2_dir(cache_dir: Path, dtype: str = "BF16") -> Path:
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(tmp)
     return target
+
+
+def known_name(spec: str | Path) -> str | None:
+    """The model's published name when `spec` is a built-in one (`smollm2`), else None
+    (a directory's own config names it). A loaded directory's config only knows the
+    path it was loaded from, which is not a name to record in a graft."""
+    return SMOLLM2_NAME if str(spec) == SMOLLM2 and not Path(spec).exists() else None
 
 
 def resolve_model_dir(spec: str | Path, cache_dir: Path, dtype: str | None = None) -> Path:
@@ -132,6 +140,9 @@ def load_model(spec: str | Path, *, cache_dir: Path, dtype: str | None = None,
     model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
+    name = known_name(spec)
+    if name is not None:
+        model.config._name_or_path = name  # recorded in the grafts it captures
     fp = fingerprint(model, tokenizer, weights_dir=path, cache_dir=cache_dir)
     return LoadedModel(model, tokenizer, fp, path)
 
