@@ -149,12 +149,24 @@ def check_chain(links: Iterable[ChainLink]) -> ChainReport:
 
 # --- lineage and attestations ----------------------------------------------------------
 
-def _parents(raw: str) -> tuple[Digest, ...]:
+def stored_parents(digest: str, raw: str) -> tuple[Digest, ...] | None:
+    """The parents the stored manifest of artifact `digest` names, or None when the row
+    cannot say: its text is not the manifest the digest names (edited, truncated) or not
+    one at all. Push validated the manifest before storing it, so text that still hashes
+    to its digest is trusted as it stands."""
+    if str(Digest.of(raw.encode())) != digest:
+        return None
     try:
-        parents = json.loads(raw).get("parents", [])
+        parents = json.loads(raw)["parents"]
         return tuple(Digest.parse(p) for p in parents)
-    except (ValueError, AttributeError, TypeError):
-        return ()  # a corrupt manifest: audit reports it when it reads that artifact
+    except (ValueError, LookupError, TypeError):
+        return None
+
+
+def _parents(digest: str, raw: str) -> tuple[Digest, ...]:
+    # Lineage display: a corrupt manifest names no parents here; audit reports it when
+    # it reads that artifact.
+    return stored_parents(digest, raw) or ()
 
 
 def children(s: Session, digest: Digest) -> list[Digest]:
@@ -162,7 +174,7 @@ def children(s: Session, digest: Digest) -> list[Digest]:
     # another manifest only there, so a LIKE narrows and the parse decides.
     rows = s.execute(select(ArtifactRow.digest, ArtifactRow.manifest)
                      .where(ArtifactRow.manifest.like(f'%"{digest}"%')))
-    return sorted(Digest.parse(d) for d, raw in rows if digest in _parents(raw))
+    return sorted(Digest.parse(d) for d, raw in rows if digest in _parents(d, raw))
 
 
 def attestation_digests(s: Session, digest: Digest) -> dict[int, str]:
@@ -185,9 +197,8 @@ class ArtifactLinks:
     digest: Digest
     created_at: datetime
     tagged: bool
-    parents: tuple[Digest, ...]
+    parents: tuple[Digest, ...] | None  # None: the stored manifest cannot say (corrupt)
     blobs: tuple[Digest, ...]
-
 
 
 def _chunks(keys: list[str]) -> Iterable[list[str]]:
@@ -202,7 +213,7 @@ def inventory(s: Session) -> list[ArtifactLinks]:
         blobs.setdefault(a, []).append(Digest.parse(b))
     rows = s.execute(select(ArtifactRow.digest, ArtifactRow.created_at, ArtifactRow.manifest)
                      .order_by(ArtifactRow.created_at))
-    return [ArtifactLinks(Digest.parse(d), aware(at), d in tagged, _parents(raw),
+    return [ArtifactLinks(Digest.parse(d), aware(at), d in tagged, stored_parents(d, raw),
                           tuple(blobs.get(d, ()))) for d, at, raw in rows]
 
 
