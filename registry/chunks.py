@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvgraft.errors import InvalidKVFile
 from kvgraft.kvfile import KVLayout, TensorInfo, safetensors_header
 
 DEFAULT_CHUNK_TOKENS = 256
@@ -106,7 +107,8 @@ def gather(fd: int, plan: ChunkPlan, buf: bytearray) -> memoryview:
     for r in plan.runs:
         got = os.preadv(fd, [view[r.offset : r.offset + r.length]], r.file_offset)
         if got != r.length:
-            raise OSError(f"short read at offset {r.file_offset}: the KV file changed")
+            raise InvalidKVFile(f"short read at offset {r.file_offset}: the KV file is "
+                                "shorter than its header says (it changed?)")
     return view
 
 

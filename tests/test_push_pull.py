@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.codec import MAGIC, parse_frame
@@ -313,6 +314,34 @@ def test_file_changed_during_push_is_refused(make_registry: RegistryFactory, tmp
     digest = reg.push(src, "t/a").digest  # once it holds still, it pushes
     reg.pull("t/a", tmp_path / "b.kv")
     assert sha(tmp_path / "b.kv") == sha(src) == reg.manifest(digest).file_digest.hex
+
+
+def test_file_truncated_during_push_is_an_integrity_error(
+        make_registry: RegistryFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        cli_env: dict[str, str]) -> None:
+    # Cut short after its header was read: the chunk reads come up short.
+    import kvgraft.push as push_module
+    from kvgraft.cli.main import cli
+    from kvgraft.errors import InvalidKVFile
+
+    real = push_module.read_layout
+
+    def read_then_truncate(path: str | Path) -> object:
+        layout = real(path)
+        os.truncate(path, layout.file_size // 2)
+        return layout
+
+    monkeypatch.setattr(push_module, "read_layout", read_then_truncate)
+    reg = make_registry()
+    src = write_synthetic(tmp_path / "a.kv", tokens=600)
+    with pytest.raises(InvalidKVFile, match=f"{src} changed while it was being pushed"):
+        reg.push(src, "t/a")
+    assert reg.catalog.artifact_digests() == []
+    reg.close()
+    other = write_synthetic(tmp_path / "b.kv", tokens=600, seed=1)
+    r = CliRunner(env=cli_env).invoke(cli, ["push", str(other), "t/b"])
+    assert r.exit_code == 4, r.output
+    assert f"{other} changed while it was being pushed" in r.stderr
 
 
 def test_identical_chunks_are_fetched_once_and_written_everywhere(
