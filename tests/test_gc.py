@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from kvgraft.blobstore.base import blob_path
+from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.catalog import Catalog, PushRecord
 from kvgraft.catalog.records import PushOutcome
 from kvgraft.cli.main import cli
@@ -146,6 +148,34 @@ def test_gc_refuses_when_a_kept_manifest_is_corrupt(reg: Registry, tmp_path: Pat
     result = reg.gc(reg.gc_plan(grace=0))
     assert result.artifacts == () and result.blobs == ()
     assert stored(reg) == blobs_before
+
+
+def _undeletable(r: Registry, digest: Digest) -> Path:
+    """Put a directory where the blob's file is: the store can neither read nor unlink it
+    (permission tricks do not work as root)."""
+    assert isinstance(r.store, LocalBlobStore)
+    path = r.store.root / blob_path(digest)
+    path.unlink()
+    path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("store_url", ["local"], indirect=True)
+def test_a_blob_the_store_cannot_delete_does_not_stop_the_sweep(reg: Registry,
+                                                                tmp_path: Path) -> None:
+    a = reg.push(variant(tmp_path / "a.kv", 1, seed=1), "bad/a:v1").digest
+    reg.untag("bad/a:v1")
+    doomed = sorted(stored(reg))
+    first = doomed[0]  # swept first: it used to abort the sweep there
+    path = _undeletable(reg, first)
+    plan = reg.gc_plan(grace=0, untagged_older_than=0)
+    assert {b.digest for b in plan.blobs} == set(doomed)
+    result = reg.gc(plan)
+    assert result.artifacts == (a,)
+    assert set(result.blobs) == set(doomed[1:])
+    assert stored(reg) == {first}
+    [error] = result.errors
+    assert str(first) in error and f"cannot delete blob {path}" in error
 
 
 def _gc_during_commit(monkeypatch: pytest.MonkeyPatch, r: Registry) -> list[GcResult]:
@@ -285,6 +315,23 @@ def test_gc_command(cli_env: dict[str, str], tmp_path: Path) -> None:
         assert run("gc", "--grace", bad).exit_code == 2
     assert len(json.loads(run("log", "--action", "gc", "--json").stdout.splitlines()[-1])
                ["detail"]["artifacts_deleted"]) == 1
+
+
+def test_gc_command_reports_a_blob_it_cannot_delete(cli_env: dict[str, str], tmp_path: Path,
+                                                    make_registry: RegistryFactory) -> None:
+    runner = CliRunner(env=cli_env)
+    assert runner.invoke(cli, ["push", str(variant(tmp_path / "a.kv", 1)), "cmd/a:v1"]
+                         ).exit_code == 0
+    assert runner.invoke(cli, ["untag", "cmd/a:v1"]).exit_code == 0
+    reg = make_registry(home=Path(cli_env["KVGRAFT_HOME"]))
+    doomed = sorted(stored(reg))
+    path = _undeletable(reg, doomed[0])
+    r = runner.invoke(cli, ["gc", "--grace", "0s", "--untagged-older-than", "0s"])
+    assert r.exit_code == 7, r.output
+    assert f"deleted 1 artifact(s), {len(doomed) - 1} blob(s)" in r.stderr
+    assert str(path) in r.stderr
+    assert stored(reg) == {doomed[0]}
+    reg.close()
 
 
 def test_gc_command_refuses_on_a_corrupt_manifest(cli_env: dict[str, str], tmp_path: Path,
