@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,13 +33,6 @@ class Digest:
 
     @classmethod
     def of(cls, *parts: Buffer) -> Digest:
-        h = hashlib.sha256()
-        for p in parts:
-            h.update(p)
-        return cls(h.hexdigest())
-
-    @classmethod
-    def of_iter(cls, parts: Iterable[Buffer]) -> Digest:
         h = hashlib.sha256()
         for p in parts:
             h.update(p)

@@ -69,16 +69,3 @@ def artifacts_with_key(catalog: Catalog, key: Digest, limit: int) -> list[tuple[
             .limit(limit)).all()
     return [(stored_digest(d, "artifacts"), int(n)) for d, n in rows]
 
-
-def any_artifacts_with_key(catalog: Catalog, keys: Sequence[Digest],
-                           limit: int) -> list[tuple[Digest, int]]:
-    """Like artifacts_with_key for several keys at once (one IN query)."""
-    if not keys:
-        return []
-    with catalog._session() as s:
-        rows = s.execute(
-            select(ArtifactRow.digest, ArtifactRow.token_count)
-            .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
-            .where(ArtifactChunkRow.prefix_key.in_([str(k) for k in keys]))
-            .limit(limit)).all()
-    return [(stored_digest(d, "artifacts"), int(n)) for d, n in rows]

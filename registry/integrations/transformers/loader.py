@@ -61,7 +61,6 @@ class Graft:
     layers: tuple[GraftLayer, ...]
     report: CompatReport
     config: Any  # the live model's config (decides the cache layer kinds)
-    forced: bool = False
 
     @property
     def token_count(self) -> int:
@@ -292,8 +291,7 @@ def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
                    for li in layout.layers)
     tokens = tuple(torch.frombuffer(buf, dtype=torch.int64, count=layout.token_count,
                                     offset=base + layout.token_ids.begin).tolist())
-    return Graft(reference, digest, manifest, tokens, layers, report, lm.model.config,
-                 forced=not report.ok)
+    return Graft(reference, digest, manifest, tokens, layers, report, lm.model.config)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
