@@ -1,8 +1,9 @@
-"""Digest values ("sha256:<hex>") and hashing helpers."""
+"""Digest values ("sha256:<hex>"), hashing helpers and the canonical JSON that is hashed."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -57,3 +58,10 @@ class Digest:
         """Raise IntegrityError unless `actual` equals this digest."""
         if actual != self:
             raise IntegrityError(f"{what}: digest mismatch, expected {self}, got {actual}")
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: the one byte form that kvgraft hashes."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")

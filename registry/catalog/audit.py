@@ -37,8 +37,7 @@ from kvgraft.catalog.models import (
     TagRow,
 )
 from kvgraft.catalog.records import BlobRecord, EventRecord, aware, stored_digest
-from kvgraft.digest import Digest
-from kvgraft.identity import canonical_json
+from kvgraft.digest import Digest, canonical_json
 
 GENESIS = "sha256:" + "0" * 64
 # Any constant distinct from the schema-upgrade lock (kvgraft.catalog.schema).

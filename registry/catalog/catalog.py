@@ -39,9 +39,8 @@ from kvgraft.catalog.records import (
     aware,
     stored_digest,
 )
-from kvgraft.digest import Digest
+from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import CatalogOutdated, NotFound, Unavailable
-from kvgraft.identity import canonical_json
 from kvgraft.reference import Reference
 
 
