@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvgraft.errors import InvalidKVFile
+from kvgraft.errors import IntegrityError, InvalidKVFile
 from kvgraft.kvfile import KVLayout, TensorInfo, safetensors_header
+
+if TYPE_CHECKING:
+    from kvgraft.manifest import Manifest
 
 DEFAULT_CHUNK_TOKENS = 256
 _IOV_MAX = 1024
@@ -95,6 +99,20 @@ def uncovered(layout: KVLayout, plans: list[ChunkPlan]) -> str | None:
     if pos != layout.file_size:
         return f"the blobs cover {pos} bytes of a {layout.file_size}-byte file"
     return None
+
+
+def manifest_plans(manifest: Manifest, layout: KVLayout) -> list[ChunkPlan]:
+    """The chunk plans of an artifact whose header blob gave `layout`, checked against its
+    manifest: the same chunks, spans and sizes, and with the header and the token ids
+    covering the file exactly once, so that what is rebuilt from them is that file."""
+    plans = plan_chunks(layout, manifest.chunk_tokens)
+    if [(p.start, p.end, p.size) for p in plans] != \
+            [(c.start, c.end, c.size) for c in manifest.chunks]:
+        raise IntegrityError(f"manifest {manifest.digest} chunks do not match its header")
+    gap = uncovered(layout, plans)
+    if gap is not None:
+        raise IntegrityError(f"artifact {manifest.digest} cannot be rebuilt: {gap}")
+    return plans
 
 
 def gather(fd: int, plan: ChunkPlan, buf: bytearray) -> memoryview:

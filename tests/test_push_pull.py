@@ -383,3 +383,26 @@ def test_chunk_plans_cover_the_file_exactly_once(tmp_path: Path) -> None:
     doubled = [dataclasses.replace(first, runs=first.runs + first.runs[:1]), *plans[1:]]
     assert "written twice" in str(uncovered(layout, doubled))
     assert "cover" in str(uncovered(layout, plans[:-1]))
+
+
+def test_manifest_plans_check_the_manifest_against_its_header(
+        make_registry: RegistryFactory, tmp_path: Path) -> None:
+    # The one check pull and the transformers loader both make before placing any chunk.
+    import dataclasses
+
+    from kvgraft.chunks import manifest_plans, plan_chunks
+    from kvgraft.kvfile import read_layout
+
+    src = write_synthetic(tmp_path / "a.kv", tokens=700, num_layers=3, window=90, sliding=[1])
+    reg = make_registry()
+    manifest = reg.manifest(reg.push(src, "t/a", options=PushOptions(chunk_tokens=256)).digest)
+    layout = read_layout(src)
+    assert manifest_plans(manifest, layout) == plan_chunks(layout, 256)
+    last = manifest.chunks[-1]
+    resized = dataclasses.replace(
+        manifest, chunks=(*manifest.chunks[:-1], dataclasses.replace(last, size=last.size + 2)))
+    with pytest.raises(IntegrityError, match="chunks do not match its header"):
+        manifest_plans(resized, layout)
+    longer = dataclasses.replace(layout, file_size=layout.file_size + 8)
+    with pytest.raises(IntegrityError, match="cannot be rebuilt: the blobs cover"):
+        manifest_plans(manifest, longer)

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvgraft.blobstore.base import BlobStore
 from kvgraft.cache import Cache
-from kvgraft.chunks import plan_chunks
+from kvgraft.chunks import manifest_plans
 from kvgraft.client import Registry
 from kvgraft.codec import parse_frame
 from kvgraft.compat import CompatReport, compare
@@ -143,10 +143,7 @@ def _verify(manifest: Manifest, layout: KVLayout, view: memoryview, workers: int
 def _assemble(manifest: Manifest, layout: KVLayout, fetcher: Fetcher, view: memoryview,
               workers: int) -> None:
     """Scatter the verified chunk blobs of `manifest` into `view` (the KV file's bytes)."""
-    plans = plan_chunks(layout, manifest.chunk_tokens)
-    if [(p.start, p.end, p.size) for p in plans] != \
-            [(c.start, c.end, c.size) for c in manifest.chunks]:
-        raise IntegrityError(f"manifest {manifest.digest} chunks do not match its header")
+    plans = manifest_plans(manifest, layout)
     tokens, _ = fetcher.get(manifest.tokens)
     view[layout.token_ids.begin : layout.token_ids.end] = tokens
     places: dict[Digest, list[int]] = {}
