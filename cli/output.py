@@ -35,12 +35,14 @@ def emit_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+    if n < 1024:
+        return f"{n} B"
+    size = n / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
         size /= 1024
-    return f"{size:.1f} TiB"
+    return f"{size:.1f} GiB"
 
 
 @contextmanager

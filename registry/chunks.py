@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from kvgraft.errors import IntegrityError, InvalidKVFile
 from kvgraft.kvfile import KVLayout, TensorInfo, safetensors_header
+
+if TYPE_CHECKING:
+    from kvgraft.manifest import Manifest
 
 DEFAULT_CHUNK_TOKENS = 256
 _IOV_MAX = 1024
@@ -96,6 +101,20 @@ def uncovered(layout: KVLayout, plans: list[ChunkPlan]) -> str | None:
     return None
 
 
+def manifest_plans(manifest: Manifest, layout: KVLayout) -> list[ChunkPlan]:
+    """The chunk plans of an artifact whose header blob gave `layout`, checked against its
+    manifest: the same chunks, spans and sizes, and with the header and the token ids
+    covering the file exactly once, so that what is rebuilt from them is that file."""
+    plans = plan_chunks(layout, manifest.chunk_tokens)
+    if [(p.start, p.end, p.size) for p in plans] != \
+            [(c.start, c.end, c.size) for c in manifest.chunks]:
+        raise IntegrityError(f"manifest {manifest.digest} chunks do not match its header")
+    gap = uncovered(layout, plans)
+    if gap is not None:
+        raise IntegrityError(f"artifact {manifest.digest} cannot be rebuilt: {gap}")
+    return plans
+
+
 def gather(fd: int, plan: ChunkPlan, buf: bytearray) -> memoryview:
     """Read the chunk payload of `plan` from the KV file `fd` into `buf` (reused)."""
     size = plan.size
@@ -106,7 +125,8 @@ def gather(fd: int, plan: ChunkPlan, buf: bytearray) -> memoryview:
     for r in plan.runs:
         got = os.preadv(fd, [view[r.offset : r.offset + r.length]], r.file_offset)
         if got != r.length:
-            raise OSError(f"short read at offset {r.file_offset}: the KV file changed")
+            raise InvalidKVFile(f"short read at offset {r.file_offset}: the KV file is "
+                                "shorter than its header says (it changed?)")
     return view
 
 

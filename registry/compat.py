@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvgraft.digest import canonical_json
 from kvgraft.errors import IncompatibleModel
 from kvgraft.fingerprint import Fingerprint, architecture_digest
-from kvgraft.identity import ModelIdentity, canonical_json
+from kvgraft.identity import ModelIdentity
 
 _MISSING = "<absent>"
 

@@ -1,10 +1,10 @@
-"""Digest values ("sha256:<hex>") and hashing helpers."""
+"""Digest values ("sha256:<hex>"), hashing helpers and the canonical JSON that is hashed."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +40,6 @@ class Digest:
         return cls(h.hexdigest())
 
     @classmethod
-    def of_iter(cls, parts: Iterable[Buffer]) -> Digest:
-        h = hashlib.sha256()
-        for p in parts:
-            h.update(p)
-        return cls(h.hexdigest())
-
-    @classmethod
     def from_hasher(cls, h: Any) -> Digest:
         return cls(h.hexdigest())
 
@@ -65,3 +58,10 @@ class Digest:
         """Raise IntegrityError unless `actual` equals this digest."""
         if actual != self:
             raise IntegrityError(f"{what}: digest mismatch, expected {self}, got {actual}")
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: the one byte form that kvgraft hashes."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")

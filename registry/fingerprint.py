@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgraft.digest import Digest
+from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import InvalidKVFile, MissingExtra, UsageError
 from kvgraft.fsutil import atomic_writer
-from kvgraft.identity import ModelIdentity, canonical_json
+from kvgraft.identity import ModelIdentity
 
 # Config fields that decide the KV layout or the meaning of the cached keys and values.
 # Absent fields are left out, so a field a newer transformers adds with its old default

@@ -4,6 +4,10 @@ What is kept: every tagged artifact; every untagged artifact younger than the re
 (`untagged_older_than`; without one no artifact is deleted); every ancestor (manifest
 parents, recursively) of a kept artifact, so lineage stays auditable; every blob a kept
 artifact references; every blob whose stored object is younger than the grace period.
+gc fails closed: when an artifact's manifest in the catalog cannot be read (or no longer
+hashes to its digest), its ancestors are unknown, so a plan that would delete any artifact
+is refused, naming it, and nothing is deleted. Without a retention no artifact is deleted
+and blobs are kept through the catalog's blob links, so such a plan still runs.
 Everything else is planned for deletion: untagged artifacts past the retention, then the
 blobs that only they referenced or that no artifact ever referenced (pushes that died).
 
@@ -49,7 +53,7 @@ from typing import Any
 from kvgraft.blobstore.base import BlobInfo, BlobStore
 from kvgraft.catalog import BlobRecord, Catalog, EventRecord
 from kvgraft.digest import Digest
-from kvgraft.errors import Conflict, NotFound, RegistryError, UsageError
+from kvgraft.errors import Conflict, IntegrityError, NotFound, RegistryError, UsageError
 from kvgraft.manifest import Manifest
 from kvgraft.push import existing_record
 
@@ -115,8 +119,11 @@ def plan(catalog: Catalog, store: BlobStore, *, grace: float = DEFAULT_GRACE,
         if d in keep or d not in by_digest:
             continue
         keep.add(d)
-        todo.extend(by_digest[d].parents)
+        todo.extend(by_digest[d].parents or ())
     doomed = tuple(a.digest for a in arts if a.digest not in keep)
+    unknown = sorted(a.digest for a in arts if a.parents is None)
+    if doomed and unknown:
+        _refuse(unknown)
     referenced = {b for d in keep for b in by_digest[d].blobs}
     blob_cutoff = (now - timedelta(seconds=grace)).timestamp()
     sweep, young = [], 0
@@ -129,6 +136,17 @@ def plan(catalog: Catalog, store: BlobStore, *, grace: float = DEFAULT_GRACE,
             sweep.append(info)
     return GcPlan(now, grace, untagged_older_than, doomed, tuple(sweep), len(keep),
                   len(referenced), young)
+
+
+def _refuse(unknown: list[Digest]) -> None:
+    named = ", ".join(str(d) for d in unknown[:5])
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    raise IntegrityError(
+        f"gc refused, nothing deleted: the catalog's manifest of artifact {named}{more} is "
+        "corrupt (unreadable, or no longer the manifest its digest names), so which "
+        "artifacts it descends from, and gc must keep, is unknown",
+        hint="`kvgraft audit` on it shows the damage; restore the catalog row from a backup "
+             "or a copy of the registry, then run gc again")
 
 
 def execute(catalog: Catalog, store: BlobStore, gc_plan: GcPlan, event: EventRecord,

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvgraft.digest import Digest
-
-
-def canonical_json(value: Any) -> bytes:
-    """Sorted keys, no whitespace, UTF-8: the one byte form that kvgraft hashes."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+from kvgraft.digest import Digest, canonical_json
 
 
 @dataclass(frozen=True, slots=True)

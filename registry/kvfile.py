@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgraft.digest import Buffer, Digest
+from kvgraft.digest import Buffer, Digest, canonical_json
 from kvgraft.errors import InvalidKVFile, UsageError
 from kvgraft.fsutil import atomic_writer
-from kvgraft.identity import ModelIdentity, canonical_json
+from kvgraft.identity import ModelIdentity
 
 FORMAT_VERSION = "1"
 MAX_HEADER = 64 * 1024 * 1024  # a header this large is hostile, not a KV file

@@ -14,9 +14,9 @@ from typing import Any
 
 import jsonschema
 
-from kvgraft.digest import Digest
+from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import IntegrityError
-from kvgraft.identity import ModelIdentity, canonical_json
+from kvgraft.identity import ModelIdentity
 from kvgraft.resources import load_schema
 
 MEDIA_TYPE = "application/vnd.kvgraft.manifest.v1+json"

@@ -4,7 +4,7 @@ Every blob is decoded (bounded by the size the manifest declares) and hashed aga
 key before anything uses it, so nothing unverified is ever returned. The rebuilt file is not
 read back: every byte of it is written from a verified blob (the header, the token ids, the
 chunks) at the place the verified header gives, and the plan is checked to cover the file
-exactly once (`chunks.uncovered`), so the file is the one whose digest the manifest records
+exactly once (`chunks.manifest_plans`), so the file is the one whose digest the manifest records
 (push refuses a file that changes while it is read, the one way the two could differ).
 """
 
@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from kvgraft.blobstore.base import BlobStore
 from kvgraft.cache import Cache
-from kvgraft.chunks import ChunkPlan, plan_chunks, scatter_many, uncovered
+from kvgraft.chunks import ChunkPlan, manifest_plans, scatter_many
 from kvgraft.codec import decode_blob
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, NotFound, RegistryError
@@ -201,13 +201,7 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int =
     """Rebuild the pushed KV file at `output`, byte for byte, atomically."""
     header, _ = fetcher.get(manifest.header)
     layout = layout_of(manifest, header)
-    plans = plan_chunks(layout, manifest.chunk_tokens)
-    if [(p.start, p.end, p.size) for p in plans] != \
-            [(c.start, c.end, c.size) for c in manifest.chunks]:
-        raise IntegrityError(f"manifest {manifest.digest} chunks do not match its header")
-    gap = uncovered(layout, plans)
-    if gap is not None:
-        raise IntegrityError(f"artifact {manifest.digest} cannot be rebuilt: {gap}")
+    plans = manifest_plans(manifest, layout)
     plan_of = {c.digest: p for c, p in zip(manifest.chunks, plans, strict=True)}
     places: dict[Digest, list[int]] = {}
     for i, c in enumerate(manifest.chunks):

@@ -26,6 +26,7 @@ from kvgraft.manifest import BlobRef, ChunkRef, LayerRef, Manifest
 from kvgraft.prefix import prefix_keys
 
 Progress = Callable[[int], None]
+_AGAIN = "push it again once nothing is writing to it"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,21 +105,25 @@ def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,
     uploader = _Uploader(store, codec_selector(options.codec, options.level))
     fd = os.open(path, os.O_RDONLY)
     try:
-        header = os.pread(fd, layout.header_size, 0)
-        tokens = os.pread(fd, layout.token_ids.nbytes, layout.token_ids.begin)
-        keys = prefix_keys(layout.identity, tokens, options.chunk_tokens)
-        with ThreadPoolExecutor(options.workers + 1, thread_name_prefix="kvgraft-push") as pool:
-            hashed = pool.submit(hash_file, fd, layout)
-            records, chunk_refs = _upload_chunks(fd, plans, keys, uploader, pool, options,
-                                                 progress)
-            extra = [uploader.put(Digest.of(b), b) for b in (header, tokens)]
-            file_digest, tensor_digests = hashed.result()
+        try:
+            header = os.pread(fd, layout.header_size, 0)
+            tokens = os.pread(fd, layout.token_ids.nbytes, layout.token_ids.begin)
+            keys = prefix_keys(layout.identity, tokens, options.chunk_tokens)
+            with ThreadPoolExecutor(options.workers + 1,
+                                    thread_name_prefix="kvgraft-push") as pool:
+                hashed = pool.submit(hash_file, fd, layout)
+                records, chunk_refs = _upload_chunks(fd, plans, keys, uploader, pool, options,
+                                                     progress)
+                extra = [uploader.put(Digest.of(b), b) for b in (header, tokens)]
+                file_digest, tensor_digests = hashed.result()
+        except InvalidKVFile as e:  # a short read: the file shrank after its header was read
+            raise InvalidKVFile(f"{path} changed while it was being pushed ({e.message})",
+                                hint=_AGAIN) from None
         # The file digest and the chunks come from two reads of the file: if it was written
         # in between they could disagree, and pull (which rebuilds from the chunks) would
         # give back a file other than the one the manifest names.
         if _stamp(fd) != before:
-            raise InvalidKVFile(f"{path} changed while it was being pushed",
-                                hint="push it again once nothing is writing to it")
+            raise InvalidKVFile(f"{path} changed while it was being pushed", hint=_AGAIN)
     finally:
         os.close(fd)
     records += extra

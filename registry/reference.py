@@ -63,8 +63,5 @@ class Reference:
             return cls(text[:colon], tag=text[colon + 1 :])
         return cls(text, tag=DEFAULT_TAG)
 
-    def with_digest(self, digest: Digest) -> Reference:
-        return Reference(self.name, digest=digest)
-
     def __str__(self) -> str:
         return f"{self.name}@{self.digest}" if self.digest else f"{self.name}:{self.tag}"

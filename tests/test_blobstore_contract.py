@@ -13,7 +13,7 @@ import pytest
 from kvgraft.blobstore import BlobStore, blob_path, open_store
 from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.digest import Digest
-from kvgraft.errors import NotFound
+from kvgraft.errors import NotFound, Unavailable
 
 
 @pytest.fixture
@@ -151,4 +151,26 @@ def test_local_iter_skips_temp_and_foreign_files(tmp_path: Path) -> None:
     fan = (tmp_path / "blobs" / blob_path(digest)).parent
     (fan / f".{digest.hex[2:]}.tmp123").write_bytes(data[:10])  # a writer mid-put
     (fan / "not-a-digest").write_bytes(b"x")
+    assert [info.digest for info in store.iter()] == [digest]
+
+
+def test_local_store_errors_are_unavailable_and_name_the_path(tmp_path: Path) -> None:
+    # A directory where a file belongs (and a file where a directory does) stand in for
+    # permission and I/O errors, which root does not get.
+    store = LocalBlobStore(tmp_path / "blobs")
+    digest, data = blob(64, 6)
+    path = tmp_path / "blobs" / blob_path(digest)
+    path.mkdir(parents=True)
+    for call in (store.get, store.open, store.delete):
+        with pytest.raises(Unavailable, match=f"blob {path}: Is a directory") as err:
+            call(digest)
+        assert err.value.exit_code == 7
+    other, data = blob(64, 7)
+    fan = tmp_path / "blobs" / blob_path(other)
+    fan.parent.write_bytes(b"")  # the fan-out directory is a file
+    with pytest.raises(Unavailable, match=f"cannot write blob {fan}"):
+        store.put(other, [data])
+    with pytest.raises(Unavailable, match=f"cannot look at blob {fan}: Not a directory"):
+        store.stat(other)
+    # The stray file is no blob; the directory is listed, so gc tries it and reports it.
     assert [info.digest for info in store.iter()] == [digest]

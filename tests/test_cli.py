@@ -103,6 +103,22 @@ def test_corrupt_blob_exit_4_names_blob(cli_env: dict[str, str], tmp_path: Path)
     assert r.returncode == 4 and victim in r.stderr and "Traceback" not in r.stderr
 
 
+def test_unreadable_blob_in_the_local_store_exit_7_names_path(runner: CliRunner,
+                                                              tmp_path: Path) -> None:
+    src = write_synthetic(tmp_path / "a.kv", tokens=400)
+    assert runner.invoke(cli, ["push", str(src), "demo/a"]).exit_code == 0
+    info = json.loads(runner.invoke(cli, ["inspect", "demo/a", "--json"]).stdout)
+    victim = info["chunks"][0]["digest"].split(":")[1]
+    assert runner.env is not None
+    path = Path(str(runner.env["KVGRAFT_HOME"])) / "blobs" / "sha256" / victim[:2] / victim[2:]
+    path.unlink()
+    path.mkdir()  # unreadable as a file, even by root
+    for args in (["verify", "demo/a"], ["pull", "demo/a", "-o", str(tmp_path / "o.kv")]):
+        r = runner.invoke(cli, args)
+        assert r.exit_code == 7, r.output
+        assert f"cannot read blob {path}" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_debug_shows_traceback(cli_env: dict[str, str]) -> None:
     r = run({**cli_env, "KVGRAFT_DEBUG": "1"}, "pull", "no/such")
     assert r.returncode == 3 and "Traceback" in r.stderr

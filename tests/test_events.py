@@ -203,3 +203,22 @@ def test_log_command(make_registry: RegistryFactory, cli_env: dict[str, str],
     assert r.exit_code == 2 and "not a time or duration" in r.output
     r = runner.invoke(cli, ["log", "log/nothing:here"])
     assert r.exit_code == 3
+
+
+def test_a_corrupt_digest_in_the_log_is_an_integrity_error(
+        make_registry: RegistryFactory, catalog_url: str, cli_env: dict[str, str],
+        tmp_path: Path) -> None:
+    from kvgraft.errors import IntegrityError
+
+    Catalog.open(catalog_url, auto_upgrade=True).close()
+    reg = make_registry(catalog_url=catalog_url, home=tmp_path / "home")
+    reg.push(write_synthetic(tmp_path / "a.kv", tokens=300), "log/a:v1")
+    bad = "sha256:" + "z" * 64
+    tamper(reg.catalog, "UPDATE events SET digest = :d", d=bad)
+    # Damage found in the catalog, not a malformed request: exit 4, not 2.
+    with pytest.raises(IntegrityError, match=f"events table holds a corrupt digest '{bad}'"):
+        reg.log()
+    reg.close()
+    r = CliRunner(env={**cli_env, "KVGRAFT_CATALOG_URL": catalog_url}).invoke(cli, ["log"])
+    assert r.exit_code == 4, r.output
+    assert bad in r.stderr

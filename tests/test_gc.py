@@ -12,16 +12,20 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from kvgraft.blobstore.base import blob_path
+from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.catalog import Catalog, PushRecord
 from kvgraft.catalog.records import PushOutcome
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError
 from kvgraft.gc import GcResult
 from kvgraft.kvfile import write_kvfile
 from kvgraft.push import PushOptions, build_artifact
 from kvgraft.sample import synthetic_identity, synthetic_layers
 from tests.conftest import RegistryFactory
+from tests.test_events import tamper
 
 
 def variant(path: Path, run: int, *, seed: int = 0, tokens: int = 600) -> Path:
@@ -106,6 +110,72 @@ def test_grace_retention_and_lineage_keep_things(make_registry: RegistryFactory,
     reg.untag("lin/c:v1")
     assert set(reg.gc_plan(grace=0, untagged_older_than=0).artifacts) == {parent, child}
     reg.close()
+
+
+def _corrupt_manifest(r: Registry, digest: Digest, how: str) -> None:
+    raw = r.catalog.artifact(digest).manifest.decode()
+    if how == "parents-dropped":  # still a valid manifest, but not the one the digest names
+        bad = raw.replace(raw[raw.index('"parents":'):raw.index("]", raw.index('"parents":'))
+                              + 1], '"parents":[]')
+    else:
+        bad = raw[:len(raw) // 2]
+    assert bad != raw
+    tamper(r.catalog, "UPDATE artifacts SET manifest = :m WHERE digest = :d", m=bad,
+           d=str(digest))
+
+
+@pytest.mark.parametrize("store_url", ["local"], indirect=True)
+@pytest.mark.parametrize("how", ["parents-dropped", "truncated"])
+def test_gc_refuses_when_a_kept_manifest_is_corrupt(reg: Registry, tmp_path: Path,
+                                                    how: str) -> None:
+    parent = reg.push(variant(tmp_path / "p.kv", 1, seed=1), "fc/p:v1").digest
+    child = reg.push(variant(tmp_path / "c.kv", 2, seed=2), "fc/c:v1",
+                     options=PushOptions(parents=(parent,))).digest
+    loose = reg.push(variant(tmp_path / "l.kv", 3, seed=3), "fc/l:v1").digest
+    reg.untag("fc/p:v1")
+    reg.untag("fc/l:v1")
+    _corrupt_manifest(reg, child, how)
+    blobs_before = stored(reg)
+    # The tagged child's parents can no longer be read, so its untagged parent would look
+    # collectable: gc must refuse rather than guess, and name the artifact.
+    with pytest.raises(IntegrityError, match=f"artifact {child}") as err:
+        reg.gc_plan(grace=0, untagged_older_than=0)
+    assert "nothing deleted" in str(err.value)
+    assert set(reg.catalog.artifact_digests()) == {parent, child, loose}
+    assert stored(reg) == blobs_before
+    # Without a retention no artifact is deleted: that plan is safe and still runs, and it
+    # keeps every blob of the corrupt artifact (the catalog's blob links say which).
+    result = reg.gc(reg.gc_plan(grace=0))
+    assert result.artifacts == () and result.blobs == ()
+    assert stored(reg) == blobs_before
+
+
+def _undeletable(r: Registry, digest: Digest) -> Path:
+    """Put a directory where the blob's file is: the store can neither read nor unlink it
+    (permission tricks do not work as root)."""
+    assert isinstance(r.store, LocalBlobStore)
+    path = r.store.root / blob_path(digest)
+    path.unlink()
+    path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("store_url", ["local"], indirect=True)
+def test_a_blob_the_store_cannot_delete_does_not_stop_the_sweep(reg: Registry,
+                                                                tmp_path: Path) -> None:
+    a = reg.push(variant(tmp_path / "a.kv", 1, seed=1), "bad/a:v1").digest
+    reg.untag("bad/a:v1")
+    doomed = sorted(stored(reg))
+    first = doomed[0]  # swept first: it used to abort the sweep there
+    path = _undeletable(reg, first)
+    plan = reg.gc_plan(grace=0, untagged_older_than=0)
+    assert {b.digest for b in plan.blobs} == set(doomed)
+    result = reg.gc(plan)
+    assert result.artifacts == (a,)
+    assert set(result.blobs) == set(doomed[1:])
+    assert stored(reg) == {first}
+    [error] = result.errors
+    assert str(first) in error and f"cannot delete blob {path}" in error
 
 
 def _gc_during_commit(monkeypatch: pytest.MonkeyPatch, r: Registry) -> list[GcResult]:
@@ -245,3 +315,40 @@ def test_gc_command(cli_env: dict[str, str], tmp_path: Path) -> None:
         assert run("gc", "--grace", bad).exit_code == 2
     assert len(json.loads(run("log", "--action", "gc", "--json").stdout.splitlines()[-1])
                ["detail"]["artifacts_deleted"]) == 1
+
+
+def test_gc_command_reports_a_blob_it_cannot_delete(cli_env: dict[str, str], tmp_path: Path,
+                                                    make_registry: RegistryFactory) -> None:
+    runner = CliRunner(env=cli_env)
+    assert runner.invoke(cli, ["push", str(variant(tmp_path / "a.kv", 1)), "cmd/a:v1"]
+                         ).exit_code == 0
+    assert runner.invoke(cli, ["untag", "cmd/a:v1"]).exit_code == 0
+    reg = make_registry(home=Path(cli_env["KVGRAFT_HOME"]))
+    doomed = sorted(stored(reg))
+    path = _undeletable(reg, doomed[0])
+    r = runner.invoke(cli, ["gc", "--grace", "0s", "--untagged-older-than", "0s"])
+    assert r.exit_code == 7, r.output
+    assert f"deleted 1 artifact(s), {len(doomed) - 1} blob(s)" in r.stderr
+    assert str(path) in r.stderr
+    assert stored(reg) == {doomed[0]}
+    reg.close()
+
+
+def test_gc_command_refuses_on_a_corrupt_manifest(cli_env: dict[str, str], tmp_path: Path,
+                                                  make_registry: RegistryFactory) -> None:
+    runner = CliRunner(env=cli_env)
+    parent = runner.invoke(cli, ["push", str(variant(tmp_path / "p.kv", 1, seed=1)),
+                                 "cmd/p:v1"]).stdout.strip()
+    r = runner.invoke(cli, ["push", str(variant(tmp_path / "c.kv", 2, seed=2)), "cmd/c:v1",
+                            "--parent", "cmd/p:v1"])
+    assert r.exit_code == 0, r.output
+    child = Digest.parse(r.stdout.strip())
+    assert runner.invoke(cli, ["untag", "cmd/p:v1"]).exit_code == 0
+    reg = make_registry(home=Path(cli_env["KVGRAFT_HOME"]))
+    _corrupt_manifest(reg, child, "parents-dropped")
+    for extra in (["--dry-run"], [], ["--json"]):
+        r = runner.invoke(cli, ["gc", "--grace", "0s", "--untagged-older-than", "0s", *extra])
+        assert r.exit_code == 4, r.output
+        assert str(child) in r.stderr and "nothing deleted" in r.stderr
+    assert reg.catalog.artifact_digests() == [Digest.parse(parent), child]
+    reg.close()

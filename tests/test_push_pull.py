@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.codec import MAGIC, parse_frame
@@ -315,6 +316,34 @@ def test_file_changed_during_push_is_refused(make_registry: RegistryFactory, tmp
     assert sha(tmp_path / "b.kv") == sha(src) == reg.manifest(digest).file_digest.hex
 
 
+def test_file_truncated_during_push_is_an_integrity_error(
+        make_registry: RegistryFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        cli_env: dict[str, str]) -> None:
+    # Cut short after its header was read: the chunk reads come up short.
+    import kvgraft.push as push_module
+    from kvgraft.cli.main import cli
+    from kvgraft.errors import InvalidKVFile
+
+    real = push_module.read_layout
+
+    def read_then_truncate(path: str | Path) -> object:
+        layout = real(path)
+        os.truncate(path, layout.file_size // 2)
+        return layout
+
+    monkeypatch.setattr(push_module, "read_layout", read_then_truncate)
+    reg = make_registry()
+    src = write_synthetic(tmp_path / "a.kv", tokens=600)
+    with pytest.raises(InvalidKVFile, match=f"{src} changed while it was being pushed"):
+        reg.push(src, "t/a")
+    assert reg.catalog.artifact_digests() == []
+    reg.close()
+    other = write_synthetic(tmp_path / "b.kv", tokens=600, seed=1)
+    r = CliRunner(env=cli_env).invoke(cli, ["push", str(other), "t/b"])
+    assert r.exit_code == 4, r.output
+    assert f"{other} changed while it was being pushed" in r.stderr
+
+
 def test_identical_chunks_are_fetched_once_and_written_everywhere(
         make_registry: RegistryFactory, tmp_path: Path) -> None:
     # One blob for many chunks: its decode buffer must stay alive until every place of it
@@ -354,3 +383,26 @@ def test_chunk_plans_cover_the_file_exactly_once(tmp_path: Path) -> None:
     doubled = [dataclasses.replace(first, runs=first.runs + first.runs[:1]), *plans[1:]]
     assert "written twice" in str(uncovered(layout, doubled))
     assert "cover" in str(uncovered(layout, plans[:-1]))
+
+
+def test_manifest_plans_check_the_manifest_against_its_header(
+        make_registry: RegistryFactory, tmp_path: Path) -> None:
+    # The one check pull and the transformers loader both make before placing any chunk.
+    import dataclasses
+
+    from kvgraft.chunks import manifest_plans, plan_chunks
+    from kvgraft.kvfile import read_layout
+
+    src = write_synthetic(tmp_path / "a.kv", tokens=700, num_layers=3, window=90, sliding=[1])
+    reg = make_registry()
+    manifest = reg.manifest(reg.push(src, "t/a", options=PushOptions(chunk_tokens=256)).digest)
+    layout = read_layout(src)
+    assert manifest_plans(manifest, layout) == plan_chunks(layout, 256)
+    last = manifest.chunks[-1]
+    resized = dataclasses.replace(
+        manifest, chunks=(*manifest.chunks[:-1], dataclasses.replace(last, size=last.size + 2)))
+    with pytest.raises(IntegrityError, match="chunks do not match its header"):
+        manifest_plans(resized, layout)
+    longer = dataclasses.replace(layout, file_size=layout.file_size + 8)
+    with pytest.raises(IntegrityError, match="cannot be rebuilt: the blobs cover"):
+        manifest_plans(manifest, longer)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -12,6 +11,14 @@ from kvgraft.blobstore.base import BlobInfo, blob_path
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import NotFound, Unavailable, UsageError
 from kvgraft.fsutil import create_exclusive
+
+
+def _failed(action: str, path: Path, e: OSError) -> Unavailable:
+    """A permission or I/O error in the store: the store is unusable at `path`, which the
+    message names so that whoever runs it can look."""
+    reason = e.strerror or type(e).__name__
+    return Unavailable(f"cannot {action} {path}: {reason}",
+                       hint="check that path's permissions, type and disk")
 
 
 class LocalBlobStore:
@@ -29,50 +36,79 @@ class LocalBlobStore:
         return self.root / blob_path(digest)
 
     def exists(self, digest: Digest) -> bool:
-        return self._path(digest).is_file()
+        path = self._path(digest)
+        try:
+            return path.is_file()
+        except OSError as e:
+            raise _failed("look at blob", path, e) from None
 
     def stat(self, digest: Digest) -> BlobInfo | None:
+        path = self._path(digest)
         try:
-            st = self._path(digest).stat()
+            st = path.stat()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise _failed("look at blob", path, e) from None
         return BlobInfo(digest, st.st_size, st.st_mtime)
 
     def put(self, digest: Digest, parts: Sequence[Buffer]) -> bool:
         target = self._path(digest)
-        if target.is_file():
-            return False
         try:
+            if target.is_file():
+                return False
             return create_exclusive(target, parts, durable=self.durable)
         except OSError as e:
-            raise Unavailable(f"cannot write blob {digest} under {self.root}: {e}") from None
+            raise _failed("write blob", target, e) from None
 
     def get(self, digest: Digest) -> bytes:
         with self.open(digest) as f:
-            return f.read()
+            try:
+                return f.read()
+            except OSError as e:
+                raise _failed("read blob", self._path(digest), e) from None
 
     def open(self, digest: Digest) -> BinaryIO:
+        path = self._path(digest)
         try:
-            return open(self._path(digest), "rb")
+            return open(path, "rb")
         except FileNotFoundError:
             raise NotFound(f"blob {digest} is not in {self.url}") from None
+        except OSError as e:
+            raise _failed("read blob", path, e) from None
 
     def delete(self, digest: Digest) -> bool:
+        path = self._path(digest)
         try:
-            os.unlink(self._path(digest))
+            os.unlink(path)
         except FileNotFoundError:
             return False
+        except OSError as e:
+            raise _failed("delete blob", path, e) from None
         return True
 
     def iter(self) -> Iterator[BlobInfo]:
         base = self.root / "sha256"
         if not base.is_dir():
             return
-        for fan in sorted(base.iterdir()):
-            for entry in sorted(fan.iterdir()):
+        for fan in _listing(base):
+            if not fan.is_dir():
+                continue  # a foreign file, not a fan-out directory
+            for entry in _listing(fan):
                 if entry.name.startswith("."):
                     continue  # a writer's temp file, not a blob
-                with contextlib.suppress(UsageError, FileNotFoundError):
+                try:
                     digest = Digest(fan.name + entry.name)
                     st = entry.stat()
-                    yield BlobInfo(digest, st.st_size, st.st_mtime)
+                except (UsageError, FileNotFoundError):
+                    continue  # not named like a blob, or deleted since the listing
+                except OSError as e:
+                    raise _failed("look at blob", entry, e) from None
+                yield BlobInfo(digest, st.st_size, st.st_mtime)
+
+
+def _listing(directory: Path) -> list[Path]:
+    try:
+        return sorted(directory.iterdir())
+    except OSError as e:
+        raise _failed("list", directory, e) from None

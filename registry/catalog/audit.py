@@ -36,9 +36,8 @@ from kvgraft.catalog.models import (
     EventRow,
     TagRow,
 )
-from kvgraft.catalog.records import BlobRecord, EventRecord, aware
-from kvgraft.digest import Digest
-from kvgraft.identity import canonical_json
+from kvgraft.catalog.records import BlobRecord, EventRecord, aware, stored_digest
+from kvgraft.digest import Digest, canonical_json
 
 GENESIS = "sha256:" + "0" * 64
 # Any constant distinct from the schema-upgrade lock (kvgraft.catalog.schema).
@@ -149,12 +148,24 @@ def check_chain(links: Iterable[ChainLink]) -> ChainReport:
 
 # --- lineage and attestations ----------------------------------------------------------
 
-def _parents(raw: str) -> tuple[Digest, ...]:
+def stored_parents(digest: str, raw: str) -> tuple[Digest, ...] | None:
+    """The parents the stored manifest of artifact `digest` names, or None when the row
+    cannot say: its text is not the manifest the digest names (edited, truncated) or not
+    one at all. Push validated the manifest before storing it, so text that still hashes
+    to its digest is trusted as it stands."""
+    if str(Digest.of(raw.encode())) != digest:
+        return None
     try:
-        parents = json.loads(raw).get("parents", [])
+        parents = json.loads(raw)["parents"]
         return tuple(Digest.parse(p) for p in parents)
-    except (ValueError, AttributeError, TypeError):
-        return ()  # a corrupt manifest: audit reports it when it reads that artifact
+    except (ValueError, LookupError, TypeError):
+        return None
+
+
+def _parents(digest: str, raw: str) -> tuple[Digest, ...]:
+    # Lineage display: a corrupt manifest names no parents here; audit reports it when
+    # it reads that artifact.
+    return stored_parents(digest, raw) or ()
 
 
 def children(s: Session, digest: Digest) -> list[Digest]:
@@ -162,7 +173,7 @@ def children(s: Session, digest: Digest) -> list[Digest]:
     # another manifest only there, so a LIKE narrows and the parse decides.
     rows = s.execute(select(ArtifactRow.digest, ArtifactRow.manifest)
                      .where(ArtifactRow.manifest.like(f'%"{digest}"%')))
-    return sorted(Digest.parse(d) for d, raw in rows if digest in _parents(raw))
+    return sorted(stored_digest(d, "artifacts") for d, raw in rows if digest in _parents(d, raw))
 
 
 def attestation_digests(s: Session, digest: Digest) -> dict[int, str]:
@@ -185,9 +196,8 @@ class ArtifactLinks:
     digest: Digest
     created_at: datetime
     tagged: bool
-    parents: tuple[Digest, ...]
+    parents: tuple[Digest, ...] | None  # None: the stored manifest cannot say (corrupt)
     blobs: tuple[Digest, ...]
-
 
 
 def _chunks(keys: list[str]) -> Iterable[list[str]]:
@@ -199,11 +209,12 @@ def inventory(s: Session) -> list[ArtifactLinks]:
     tagged = set(s.scalars(select(TagRow.artifact_digest).distinct()))
     blobs: dict[str, list[Digest]] = {}
     for a, b in s.execute(select(ArtifactBlobRow.artifact_digest, ArtifactBlobRow.blob_digest)):
-        blobs.setdefault(a, []).append(Digest.parse(b))
+        blobs.setdefault(a, []).append(stored_digest(b, "artifact_blobs"))
     rows = s.execute(select(ArtifactRow.digest, ArtifactRow.created_at, ArtifactRow.manifest)
                      .order_by(ArtifactRow.created_at))
-    return [ArtifactLinks(Digest.parse(d), aware(at), d in tagged, _parents(raw),
-                          tuple(blobs.get(d, ()))) for d, at, raw in rows]
+    return [ArtifactLinks(stored_digest(d, "artifacts"), aware(at), d in tagged,
+                          stored_parents(d, raw), tuple(blobs.get(d, ())))
+            for d, at, raw in rows]
 
 
 def lock_for_gc(s: Session) -> None:
@@ -234,7 +245,7 @@ def delete_artifacts(s: Session, digests: Iterable[Digest],
         s.execute(delete(AttestationRow).where(AttestationRow.artifact_digest.in_(doomed)))
         # Chunks, blob links, labels and repository links go with it (ON DELETE CASCADE).
         s.execute(delete(ArtifactRow).where(ArtifactRow.digest.in_(doomed)))
-        gone += [Digest.parse(d) for d in doomed]
+        gone += [stored_digest(d, "artifacts") for d in doomed]
     return sorted(gone)
 
 
@@ -262,7 +273,7 @@ def sweep(s: Session, digests: list[Digest], delete_blob: BlobDeleter) -> list[D
 def deleted_among(s: Session, digests: Iterable[Digest]) -> set[Digest]:
     out: set[Digest] = set()
     for keys in _chunks(sorted({str(d) for d in digests})):
-        out.update(Digest.parse(d) for d in s.scalars(
+        out.update(stored_digest(d, "blob_deletions") for d in s.scalars(
             select(BlobDeletionRow.digest).distinct().where(BlobDeletionRow.digest.in_(keys))))
     return out
 

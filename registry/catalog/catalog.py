@@ -37,10 +37,10 @@ from kvgraft.catalog.records import (
     PushRecord,
     TagRecord,
     aware,
+    stored_digest,
 )
-from kvgraft.digest import Digest
+from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import CatalogOutdated, NotFound, Unavailable
-from kvgraft.identity import canonical_json
 from kvgraft.reference import Reference
 
 
@@ -168,7 +168,7 @@ class Catalog:
         s.execute(stmt.on_conflict_do_update(
             index_elements=["repository", "tag"],
             set_={"artifact_digest": digest, "updated_at": now}))
-        return Digest.parse(old) if old else None
+        return stored_digest(old, "tags") if old else None
 
     def set_tag(self, repository: str, tag: str, digest: Digest,
                 event: EventRecord) -> Digest | None:
@@ -190,7 +190,7 @@ class Catalog:
             ).returning(TagRow.artifact_digest))
             if old is None:
                 raise NotFound(f"no tag {repository}:{tag}")
-            digest = Digest.parse(old)
+            digest = stored_digest(old, "tags")
             self._add_event(s, dataclasses.replace(event, digest=digest), now)
         return digest
 
@@ -218,7 +218,8 @@ class Catalog:
             q = q.where(AttestationRow.predicate_type == predicate_type)
         with self._session() as s:
             return [AttestationRecord(
-                artifact=Digest.parse(a.artifact_digest), predicate_type=a.predicate_type,
+                artifact=stored_digest(a.artifact_digest, "attestations"),
+                predicate_type=a.predicate_type,
                 statement=a.statement.encode(),
                 envelope=a.envelope.encode() if a.envelope is not None else None,
                 keyid=a.keyid, created_at=aware(a.created_at), id=a.id)
@@ -246,7 +247,7 @@ class Catalog:
         if found is None:
             raise NotFound(f"{ref} is not in the catalog",
                            hint="`kvgraft ls` lists what the catalog holds")
-        return Digest.parse(found)
+        return stored_digest(found, "tags")
 
     def has_artifact(self, digest: Digest) -> bool:
         with self._session() as s:
@@ -282,7 +283,7 @@ class Catalog:
 
     @staticmethod
     def _tags(s: Session, query: Select[TagRow]) -> tuple[TagRecord, ...]:
-        return tuple(TagRecord(t.repository, t.tag, Digest.parse(t.artifact_digest),
+        return tuple(TagRecord(t.repository, t.tag, stored_digest(t.artifact_digest, "tags"),
                                aware(t.updated_at))
                      for t in s.scalars(query.order_by(TagRow.repository, TagRow.tag)))
 
@@ -302,13 +303,13 @@ class Catalog:
         with self._session() as s:
             for i in range(0, len(keys), 500):
                 for b in s.scalars(select(BlobRow).where(BlobRow.digest.in_(keys[i:i + 500]))):
-                    d = Digest.parse(b.digest)
+                    d = stored_digest(b.digest, "blobs")
                     out[d] = BlobRecord(d, b.size, b.stored_size, b.codec)
         return out
 
     def artifact_digests(self) -> list[Digest]:
         with self._session() as s:
-            return [Digest.parse(d) for d in
+            return [stored_digest(d, "artifacts") for d in
                     s.scalars(select(ArtifactRow.digest).order_by(ArtifactRow.created_at))]
 
     def events(self, *, digest: Digest | None = None, action: str | None = None,
@@ -326,7 +327,7 @@ class Catalog:
             return [EventRecord(
                 action=e.action, actor=e.actor, host=e.host, outcome=e.outcome,
                 repository=e.repository, tag=e.tag,
-                digest=Digest.parse(e.digest) if e.digest else None,
+                digest=stored_digest(e.digest, "events") if e.digest else None,
                 detail=json.loads(e.detail), at=aware(e.at), id=e.id)
                 for e in s.scalars(q)]
 

@@ -11,6 +11,7 @@ from sqlalchemy import select, text
 
 from kvgraft.catalog.catalog import Catalog
 from kvgraft.catalog.models import ArtifactChunkRow, ArtifactRow, ModelRow
+from kvgraft.catalog.records import stored_digest
 from kvgraft.digest import Digest
 
 
@@ -66,7 +67,7 @@ def artifacts_with_key(catalog: Catalog, key: Digest, limit: int) -> list[tuple[
             .where(ArtifactChunkRow.prefix_key == str(key))
             .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
             .limit(limit)).all()
-    return [(Digest.parse(d), int(n)) for d, n in rows]
+    return [(stored_digest(d, "artifacts"), int(n)) for d, n in rows]
 
 
 def artifacts_with_keys(catalog: Catalog, keys: Sequence[Digest],
@@ -82,18 +83,5 @@ def artifacts_with_keys(catalog: Catalog, keys: Sequence[Digest],
             .where(ArtifactChunkRow.prefix_key.in_([str(k) for k in keys]))
             .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
             .limit(limit)).all()
-    return [(Digest.parse(d), Digest.parse(k)) for d, k in rows]
-
-
-def any_artifacts_with_key(catalog: Catalog, keys: Sequence[Digest],
-                           limit: int) -> list[tuple[Digest, int]]:
-    """Like artifacts_with_key for several keys at once (one IN query)."""
-    if not keys:
-        return []
-    with catalog._session() as s:
-        rows = s.execute(
-            select(ArtifactRow.digest, ArtifactRow.token_count)
-            .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
-            .where(ArtifactChunkRow.prefix_key.in_([str(k) for k in keys]))
-            .limit(limit)).all()
-    return [(Digest.parse(d), int(n)) for d, n in rows]
+    return [(stored_digest(d, "artifacts"), stored_digest(k, "artifact_chunks"))
+            for d, k in rows]

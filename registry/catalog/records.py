@@ -8,12 +8,24 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError, UsageError
 from kvgraft.manifest import Manifest
 
 
 def aware(t: datetime) -> datetime:
     """A catalog timestamp as an aware UTC datetime (SQLite hands back naive UTC)."""
     return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def stored_digest(text: str, table: str) -> Digest:
+    """A digest read back from the catalog's `table`. One that does not parse means the
+    catalog was damaged behind kvgraft's back: an integrity failure, not a bad request."""
+    try:
+        return Digest.parse(text)
+    except UsageError:
+        raise IntegrityError(f"the catalog's {table} table holds a corrupt digest {text!r}",
+                             hint="it was changed outside kvgraft; restore it from a backup"
+                             ) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,10 +186,6 @@ class Policy:
     require_signed_by: tuple[str, ...] = field(default_factory=tuple)  # keyids, any one
     require_verified: bool = False
 
-    @property
-    def active(self) -> bool:
-        return bool(self.require_signed_by) or self.require_verified
-
 
 def load_policy(home: Path, keyring: Keyring | None = None) -> Policy:
     """The [policy] table of config.toml; key names there are resolved to keyids."""

@@ -18,8 +18,8 @@ from securesystemslib import exceptions as sslib_errors
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import Signer
 
+from kvgraft.digest import canonical_json
 from kvgraft.errors import IntegrityError
-from kvgraft.identity import canonical_json
 from kvgraft.provenance.keys import PublicKey
 from kvgraft.provenance.statement import PAYLOAD_TYPE, Statement
 

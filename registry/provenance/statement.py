@@ -16,9 +16,9 @@ from typing import Any
 
 import jsonschema
 
-from kvgraft.digest import Digest
+from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import IntegrityError
-from kvgraft.identity import ModelIdentity, canonical_json
+from kvgraft.identity import ModelIdentity
 from kvgraft.manifest import MEDIA_TYPE, Manifest
 from kvgraft.resources import load_schema
 

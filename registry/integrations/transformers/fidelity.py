@@ -21,9 +21,8 @@ import torch
 from kvgraft import __version__
 from kvgraft.catalog import AttestationRecord
 from kvgraft.client import Registry
-from kvgraft.digest import Digest
+from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import UsageError
-from kvgraft.identity import canonical_json
 from kvgraft.integrations.transformers.capture import (
     cache_tensors,
     prefill,

@@ -23,7 +23,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from kvgraft.cache import Cache
-from kvgraft.chunks import plan_chunks
+from kvgraft.chunks import manifest_plans
 from kvgraft.client import Registry
 from kvgraft.codec import parse_frame
 from kvgraft.compat import CompatReport, compare
@@ -60,7 +60,6 @@ class Graft:
     layers: tuple[GraftLayer, ...]
     report: CompatReport
     config: Any  # the live model's config (decides the cache layer kinds)
-    forced: bool = False
 
     @property
     def token_count(self) -> int:
@@ -143,10 +142,7 @@ def _verify(manifest: Manifest, layout: KVLayout, view: memoryview, workers: int
 def _assemble(manifest: Manifest, layout: KVLayout, fetcher: Fetcher, view: memoryview,
               workers: int) -> None:
     """Scatter the verified chunk blobs of `manifest` into `view` (the KV file's bytes)."""
-    plans = plan_chunks(layout, manifest.chunk_tokens)
-    if [(p.start, p.end, p.size) for p in plans] != \
-            [(c.start, c.end, c.size) for c in manifest.chunks]:
-        raise IntegrityError(f"manifest {manifest.digest} chunks do not match its header")
+    plans = manifest_plans(manifest, layout)
     tokens, _ = fetcher.get(manifest.tokens)
     view[layout.token_ids.begin : layout.token_ids.end] = tokens
     places: dict[Digest, list[int]] = {}
@@ -275,8 +271,7 @@ def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
                    for li in layout.layers)
     tokens = tuple(torch.frombuffer(buf, dtype=torch.int64, count=layout.token_count,
                                     offset=base + layout.token_ids.begin).tolist())
-    return Graft(reference, digest, manifest, tokens, layers, report, lm.model.config,
-                 forced=not report.ok)
+    return Graft(reference, digest, manifest, tokens, layers, report, lm.model.config)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -36,11 +36,6 @@ class LoadedModel:
     fingerprint: Fingerprint
     path: Path | None = None
 
-    @classmethod
-    def wrap(cls, model: Any, tokenizer: Any) -> LoadedModel:
-        """Wrap a model already in memory; its weights are hashed as they are now."""
-        return cls(model, tokenizer, fingerprint(model, tokenizer))
-
     @property
     def device(self) -> Any:
         return self.model.device
