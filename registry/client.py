@@ -350,11 +350,12 @@ class Registry:
                     grace=DEFAULT_GRACE if grace is None else grace,
                     untagged_older_than=untagged_older_than)
 
-    def gc(self, gc_plan: GcPlan) -> GcResult:
+    def gc(self, gc_plan: GcPlan, *, allow_empty_catalog: bool = False) -> GcResult:
         from kvgraft.gc import execute
 
         return execute(self.catalog, self.store, gc_plan,
-                       self._event("gc", detail={"store": self.store.url}))
+                       self._event("gc", detail={"store": self.store.url}),
+                       allow_empty_catalog=allow_empty_catalog)
 
     def _enforce_policy(self, ref: Reference, digest: Digest, manifest: Manifest,
                         signed_by: Sequence[str], verified: bool | ModelIdentity) -> None:

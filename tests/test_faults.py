@@ -1,0 +1,86 @@
+"""Unlucky and hostile conditions: a damaged catalog, special files, corrupted blobs,
+colliding references, killed writers. Each test reproduces a defect and checks the data
+survives it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgraft.sample import write_synthetic
+
+
+def run(env: dict[str, str], *args: str, timeout: float = 120,
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvgraft.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def blob_files(home: Path) -> list[Path]:
+    return sorted(p for p in (home / "blobs" / "sha256").glob("*/*")
+                  if not p.name.startswith("."))
+
+
+@pytest.fixture
+def pushed(cli_env: dict[str, str], tmp_path: Path) -> Path:
+    """A home whose catalog and store hold one pushed artifact; returns the KV file."""
+    src = write_synthetic(tmp_path / "a.kv", tokens=300)
+    r = run(cli_env, "push", str(src), "faults/a:v1")
+    assert r.returncode == 0, r.stderr
+    return src
+
+
+# --- the catalog never silently resets ---------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["empty", "garbage", "torn"])
+def test_damaged_catalog_is_an_error_not_a_reset(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path, damage: str) -> None:
+    home = tmp_path / "home"
+    db = home / "catalog.db"
+    run(cli_env, "ls")  # leaves the WAL checkpointed into catalog.db on close
+    blobs = blob_files(home)
+    assert blobs
+    if damage == "empty":
+        db.write_bytes(b"")
+    elif damage == "garbage":
+        db.write_bytes(b"\x00garbage" * 512)
+    else:  # a valid header, the pages after it overwritten
+        raw = bytearray(db.read_bytes())
+        raw[100:] = b"\xff" * (len(raw) - 100)
+        db.write_bytes(bytes(raw))
+    for args in (["ls"], ["gc", "--grace", "0s"], ["push", str(pushed), "faults/a:v2"]):
+        r = run(cli_env, *args)
+        assert r.returncode == 7, (args, r.stderr)
+        assert "catalog" in r.stderr and "backup" in r.stderr, r.stderr
+        assert "internal error" not in r.stderr
+    assert db.stat().st_size == (0 if damage == "empty" else db.stat().st_size)
+    assert blob_files(home) == blobs  # nothing deleted
+
+
+def test_missing_catalog_is_created(cli_env: dict[str, str], tmp_path: Path) -> None:
+    r = run(cli_env, "ls")
+    assert r.returncode == 0, r.stderr
+    db = tmp_path / "home" / "catalog.db"
+    assert db.read_bytes()[:16] == b"SQLite format 3\x00"
+    assert not [p for p in db.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_gc_refuses_empty_catalog_in_front_of_full_store(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    home = tmp_path / "home"
+    blobs = blob_files(home)
+    # The catalog is lost and a new one made (moved aside, as the error hint says).
+    for p in home.glob("catalog.db*"):
+        p.rename(p.with_name("old-" + p.name))
+    r = run(cli_env, "gc", "--grace", "0s")
+    assert r.returncode == 6, r.stderr
+    assert "--allow-empty-catalog" in r.stderr
+    assert blob_files(home) == blobs
+    r = run(cli_env, "gc", "--grace", "0s", "--dry-run")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == len(blobs)
+    r = run(cli_env, "gc", "--grace", "0s", "--allow-empty-catalog")
+    assert r.returncode == 0, r.stderr
+    assert blob_files(home) == []
