@@ -54,9 +54,9 @@ def make_engine(url: str) -> Engine:
 
 
 def _sqlite_engine(url: str, database: str | None) -> Engine:
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_MS / 1000})
     if database and database != ":memory:" and not database.startswith("file:"):
         ensure_sqlite_file(Path(database))
-    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_MS / 1000})
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
