@@ -21,12 +21,15 @@ from pathlib import Path
 
 from kvgraft.blobstore.base import blob_path
 from kvgraft.blobstore.local import LocalBlobStore
-from kvgraft.codec import RawCodec, decode_blob, frame
+from kvgraft.codec import RawCodec, decode_blob, frame, max_stored_size
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, UsageError
-from kvgraft.fsutil import atomic_writer
+from kvgraft.fsutil import MiB, atomic_writer, read_bounded
 from kvgraft.manifest import Manifest
 from kvgraft.reference import Reference
+
+MAX_MANIFEST = 64 * MiB  # a manifest of ~200 000 chunks; larger is damage, not data
+MAX_REF = 4096  # a digest and a newline
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +64,11 @@ class Cache:
         """The verified decoded blob (decoded into `into` if given), or None (a bad entry
         is removed)."""
         try:
-            stored = self.blobs.get(digest)
+            stored = self.blobs.get(digest, max_stored_size(size))
         except LookupError:
+            return None
+        except IntegrityError:  # oversized or not a plain file: drop it, fetch again
+            self.blobs.delete(digest)
             return None
         try:
             _, data = decode_blob(stored, size, into)
@@ -110,9 +116,11 @@ class Cache:
     def get_manifest(self, digest: Digest) -> bytes | None:
         path = self._manifest_path(digest)
         try:
-            raw = path.read_bytes()
+            raw = read_bounded(path, MAX_MANIFEST, "cached manifest", IntegrityError)
         except FileNotFoundError:
             return None
+        except IntegrityError:
+            raw = b""  # not a plain file or far too large: drop it like a wrong one
         if Digest.of(raw) != digest:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -136,7 +144,8 @@ class Cache:
         if ref.digest is not None:
             return ref.digest
         try:
-            return Digest.parse(self._ref_path(ref).read_text().strip())
+            raw = read_bounded(self._ref_path(ref), MAX_REF, "cached reference")
+            return Digest.parse(raw.decode("ascii", "replace").strip())
         except (FileNotFoundError, UsageError):
             return None
 
@@ -149,7 +158,8 @@ class Cache:
                     continue
                 rel = path.relative_to(base)
                 with contextlib.suppress(UsageError, OSError):
-                    digest = Digest.parse(path.read_text().strip())
+                    raw = read_bounded(path, MAX_REF, "cached reference")
+                    digest = Digest.parse(raw.decode("ascii", "replace").strip())
                     out.setdefault(digest, []).append(f"{rel.parent.as_posix()}:{rel.name}")
         return out
 
@@ -164,7 +174,8 @@ class Cache:
                 continue
             with contextlib.suppress(UsageError, IntegrityError, OSError):
                 digest = Digest(path.parent.name + path.name)
-                yield Manifest.parse(path.read_bytes(), digest), path.stat().st_mtime
+                raw = read_bounded(path, MAX_MANIFEST, "cached manifest", IntegrityError)
+                yield Manifest.parse(raw, digest), path.stat().st_mtime
 
     def artifacts(self) -> list[CachedArtifact]:
         refs = self._refs()

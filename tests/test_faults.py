@@ -4,6 +4,7 @@ survives it."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,86 @@ def test_gc_refuses_empty_catalog_in_front_of_full_store(
     r = run(cli_env, "gc", "--grace", "0s", "--allow-empty-catalog")
     assert r.returncode == 0, r.stderr
     assert blob_files(home) == []
+
+
+# --- bounded reads; special files refused, not read ----------------------------------------
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "pipe"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_user_inputs_that_are_special_files_are_refused(
+        cli_env: dict[str, str], tmp_path: Path, fifo: Path, special: str) -> None:
+    path = str(fifo) if special == "fifo" else special
+    for args in (["trust", "add", path], ["push", path, "faults/x:v1"]):
+        r = run(cli_env, *args, timeout=60)  # a FIFO used to block forever here
+        assert r.returncode == 2, (args, r.stderr)
+        assert "not a regular file" in r.stderr
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    (home / "config.toml").symlink_to(path)
+    r = run(cli_env, "--remote", "x", "ls", timeout=60)
+    assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+
+
+def test_oversized_key_file_is_refused(cli_env: dict[str, str], tmp_path: Path) -> None:
+    big = tmp_path / "big.pub"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # sparse: a read of it would take a GiB of memory
+    r = run(cli_env, "trust", "add", str(big))
+    assert r.returncode == 2 and "more than" in r.stderr, r.stderr
+
+
+def test_store_blob_replaced_by_device_or_huge_file(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    home = tmp_path / "home"
+    blobs = blob_files(home)
+    small = min(blobs, key=lambda p: p.stat().st_size)
+    other = max(blobs, key=lambda p: p.stat().st_size)
+    small.unlink()
+    small.symlink_to("/dev/zero")
+    other.unlink()
+    with open(other, "wb") as f:
+        f.truncate(1 << 30)
+    r = run(cli_env, "verify", "--all")
+    assert r.returncode == 4, r.stderr
+    assert "character device" in r.stdout + r.stderr
+    assert "at most" in r.stdout + r.stderr
+    r = run(cli_env, "pull", "faults/a:v1", "-o", str(tmp_path / "out.kv"))
+    assert r.returncode == 4, r.stderr
+    assert not (tmp_path / "out.kv").exists()
+
+
+def test_cache_blob_replaced_by_device_is_fetched_again(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    r = run(cli_env, "pull", "faults/a:v1", "-o", str(tmp_path / "one.kv"))
+    assert r.returncode == 0, r.stderr
+    cached = sorted(p for p in (tmp_path / "cache" / "blobs" / "sha256").glob("*/*"))
+    assert cached
+    for p in cached:
+        p.unlink()
+        p.symlink_to("/dev/zero")
+    r = run(cli_env, "pull", "faults/a:v1", "-o", str(tmp_path / "two.kv"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "two.kv").read_bytes() == pushed.read_bytes()
+    assert not any(p.is_symlink() for p in cached)
+
+
+def test_s3_blob_replaced_by_larger_object_is_not_downloaded(s3_store_url: str) -> None:
+    from kvgraft.blobstore.s3 import S3BlobStore
+    from kvgraft.codec import RawCodec, frame, max_stored_size
+    from kvgraft.digest import Digest
+    from kvgraft.errors import IntegrityError
+
+    store = S3BlobStore.from_url(s3_store_url)
+    data = b"a small header blob"
+    digest = Digest.of(data)
+    assert store.put(digest, frame(RawCodec(), data))
+    huge = b"\0" * (8 << 20)
+    store.client.put_object(Bucket=store.bucket, Key=store._key(digest), Body=huge)
+    with pytest.raises(IntegrityError, match="at most"):
+        store.get(digest, max_stored_size(len(data)))

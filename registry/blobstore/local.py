@@ -8,10 +8,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from kvgraft.blobstore.base import BlobInfo, blob_path
+from kvgraft.blobstore.base import BlobInfo, blob_path, too_large
 from kvgraft.digest import Buffer, Digest
-from kvgraft.errors import NotFound, Unavailable, UsageError
-from kvgraft.fsutil import create_exclusive
+from kvgraft.errors import IntegrityError, NotFound, Unavailable, UsageError
+from kvgraft.fsutil import create_exclusive, open_regular
 
 
 class LocalBlobStore:
@@ -47,13 +47,27 @@ class LocalBlobStore:
         except OSError as e:
             raise Unavailable(f"cannot write blob {digest} under {self.root}: {e}") from None
 
-    def get(self, digest: Digest) -> bytes:
-        with self.open(digest) as f:
-            return f.read()
+    def get(self, digest: Digest, max_size: int | None = None) -> bytes:
+        fd, st = self._open(digest)
+        with os.fdopen(fd, "rb") as f:
+            if max_size is None:
+                return f.read()
+            if st.st_size > max_size:
+                raise too_large(digest, self.url, st.st_size, max_size)
+            data = f.read(max_size + 1)  # bounded even if the file grows under us
+        if len(data) > max_size:
+            raise too_large(digest, self.url, len(data), max_size)
+        return data
 
     def open(self, digest: Digest) -> BinaryIO:
+        fd, _ = self._open(digest)
+        return os.fdopen(fd, "rb")
+
+    def _open(self, digest: Digest) -> tuple[int, os.stat_result]:
+        # A blob replaced by a symlink to /dev/zero or a FIFO must fail, not hang or
+        # fill memory.
         try:
-            return open(self._path(digest), "rb")
+            return open_regular(self._path(digest), f"blob {digest} in", IntegrityError)
         except FileNotFoundError:
             raise NotFound(f"blob {digest} is not in {self.url}") from None
 
