@@ -168,3 +168,41 @@ def test_s3_blob_replaced_by_larger_object_is_not_downloaded(s3_store_url: str) 
     store.client.put_object(Bucket=store.bucket, Key=store._key(digest), Body=huge)
     with pytest.raises(IntegrityError, match="at most"):
         store.get(digest, max_stored_size(len(data)))
+
+
+# --- a push is done or not ---------------------------------------------------------------
+
+def test_references_sharing_a_prefix_do_not_collide_in_the_cache(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    # The old layout's refs/coll/b (a file) is still there from an older kvgraft.
+    old = tmp_path / "cache" / "refs" / "coll" / "b"
+    old.parent.mkdir(parents=True)
+    old.write_text("sha256:" + "0" * 64)
+    for ref in ("coll:b", "coll/b:c", "coll/b/c:d"):
+        r = run(cli_env, "push", str(pushed), ref)
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    offline = {**cli_env, "KVGRAFT_OFFLINE": "1"}
+    for env in (cli_env, offline):  # the second round from the cache's references alone
+        for ref in ("coll:b", "coll/b:c", "coll/b/c:d"):
+            out = tmp_path / f"{ref.replace('/', '_')}.kv"
+            r = run(env, "pull", ref, "-o", str(out))
+            assert r.returncode == 0 and "warning" not in r.stderr, (ref, r.stderr)
+            assert out.read_bytes() == pushed.read_bytes()
+    r = run(cli_env, "cache", "prune")
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "cache" / "refs").exists()
+
+
+def test_cache_failure_after_the_commit_is_a_warning(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    src = write_synthetic(tmp_path / "b.kv", tokens=200, seed=3)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    # Writes under these fail whoever runs the test (root ignores permissions).
+    (cache / "tags").write_text("not a directory")
+    (cache / "manifests").write_text("not a directory")
+    r = run(cli_env, "push", str(src), "faults/b:v1")
+    assert r.returncode == 0, r.stderr
+    assert "warning: caching faults/b:v1 failed" in r.stderr
+    r = run(cli_env, "ls", "--json")
+    assert '"faults/b"' in r.stdout
