@@ -254,10 +254,13 @@ def audit(ctx: click.Context, ref: str, as_json: bool) -> None:
               help="Never delete a blob stored more recently than this (in-flight pushes).")
 @click.option("--untagged-older-than", "untagged",
               help="Also delete untagged artifacts older than this (default: keep all).")
+@click.option("--allow-empty-catalog", is_flag=True,
+              help="Delete blobs even when the catalog holds no artifact at all (otherwise "
+                   "refused: that is usually a lost or wrong catalog).")
 @json_option
 @click.pass_context
 def gc(ctx: click.Context, dry_run: bool, grace: str, untagged: str | None,
-       as_json: bool) -> None:
+       allow_empty_catalog: bool, as_json: bool) -> None:
     """Delete unreferenced blobs (and, with --untagged-older-than, old untagged artifacts)."""
     reg = current_registry(ctx)
     plan = reg.gc_plan(grace=parse_duration(grace),
@@ -275,7 +278,7 @@ def gc(ctx: click.Context, dry_run: bool, grace: str, untagged: str | None,
         for b in plan.blobs:
             click.echo(f"blob {b.digest} {human_bytes(b.stored_size)}")
         return
-    result = reg.gc(plan)
+    result = reg.gc(plan, allow_empty_catalog=allow_empty_catalog)
     if as_json:
         emit_json(result.to_json())
     else:

@@ -78,6 +78,8 @@ def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chun
     with progress_bar(f"push {reference}", size) as advance:
         result = reg.push(file, reference, labels=parse_labels(labels), options=options,
                           progress=advance)
+    for warning in result.warnings:
+        err(f"warning: {warning} (the push itself succeeded)")
     if as_json:
         emit_json({"digest": str(result.digest), "reference": str(result.reference),
                    "created": result.created, "blobs_stored": result.blobs_stored,
@@ -111,6 +113,8 @@ def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str
     with progress_bar(f"pull {reference}", total) as advance:
         result = reg.pull(reference, output, progress=advance, require_signed_by=signed_by,
                           require_verified=require_verified)
+    for warning in result.warnings:
+        err(f"warning: {warning}")
     s = result.stats
     if as_json:
         emit_json({"digest": str(result.digest), "reference": str(reference),

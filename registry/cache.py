@@ -14,19 +14,25 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 from kvgraft.blobstore.base import blob_path
 from kvgraft.blobstore.local import LocalBlobStore
-from kvgraft.codec import RawCodec, decode_blob, frame
+from kvgraft.codec import RawCodec, decode_blob, frame, max_stored_size
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, UsageError
-from kvgraft.fsutil import atomic_writer
+from kvgraft.fsutil import MiB, atomic_writer, read_bounded
 from kvgraft.manifest import Manifest
 from kvgraft.reference import Reference
+
+MAX_MANIFEST = 64 * MiB  # a manifest of ~200 000 chunks; larger is damage, not data
+MAX_REF = 4096  # a digest and a newline
+REFS = "tags"  # the reference layout (see _ref_path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +67,11 @@ class Cache:
         """The verified decoded blob (decoded into `into` if given), or None (a bad entry
         is removed)."""
         try:
-            stored = self.blobs.get(digest)
+            stored = self.blobs.get(digest, max_stored_size(size))
         except LookupError:
+            return None
+        except IntegrityError:  # oversized or not a plain file: drop it, fetch again
+            self.blobs.delete(digest)
             return None
         try:
             _, data = decode_blob(stored, size, into)
@@ -110,9 +119,11 @@ class Cache:
     def get_manifest(self, digest: Digest) -> bytes | None:
         path = self._manifest_path(digest)
         try:
-            raw = path.read_bytes()
+            raw = read_bounded(path, MAX_MANIFEST, "cached manifest", IntegrityError)
         except FileNotFoundError:
             return None
+        except IntegrityError:
+            raw = b""  # not a plain file or far too large: drop it like a wrong one
         if Digest.of(raw) != digest:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -122,9 +133,13 @@ class Cache:
         return raw
 
     def _ref_path(self, ref: Reference) -> Path:
+        # One flat file per reference, `<name with / escaped>@<tag>`: neither '%' nor '@'
+        # can occur in a name or a tag, so no two references share a path or nest inside
+        # each other (`refs/<name>/<tag>`, the old layout, made `a:b` a file where `a/b:c`
+        # needed a directory; that tree is ignored and removed by prune).
         if ref.tag is None:
             raise UsageError("only tag references are remembered")
-        return self.root / "refs" / ref.name / ref.tag
+        return self.root / REFS / f"{quote(ref.name, safe='')}@{ref.tag}"
 
     def put_ref(self, ref: Reference, digest: Digest) -> None:
         if ref.tag is None:
@@ -136,21 +151,23 @@ class Cache:
         if ref.digest is not None:
             return ref.digest
         try:
-            return Digest.parse(self._ref_path(ref).read_text().strip())
+            raw = read_bounded(self._ref_path(ref), MAX_REF, "cached reference")
+            return Digest.parse(raw.decode("ascii", "replace").strip())
         except (FileNotFoundError, UsageError):
             return None
 
     def _refs(self) -> dict[Digest, list[str]]:
         out: dict[Digest, list[str]] = {}
-        base = self.root / "refs"
+        base = self.root / REFS
         if base.is_dir():
-            for path in sorted(p for p in base.rglob("*") if p.is_file()):
-                if path.name.startswith("."):
+            for path in sorted(base.iterdir()):
+                name, at, tag = path.name.rpartition("@")
+                if path.name.startswith(".") or not at:
                     continue
-                rel = path.relative_to(base)
                 with contextlib.suppress(UsageError, OSError):
-                    digest = Digest.parse(path.read_text().strip())
-                    out.setdefault(digest, []).append(f"{rel.parent.as_posix()}:{rel.name}")
+                    raw = read_bounded(path, MAX_REF, "cached reference")
+                    digest = Digest.parse(raw.decode("ascii", "replace").strip())
+                    out.setdefault(digest, []).append(f"{unquote(name)}:{tag}")
         return out
 
     # --- listing and pruning -----------------------------------------------------------
@@ -164,7 +181,8 @@ class Cache:
                 continue
             with contextlib.suppress(UsageError, IntegrityError, OSError):
                 digest = Digest(path.parent.name + path.name)
-                yield Manifest.parse(path.read_bytes(), digest), path.stat().st_mtime
+                raw = read_bounded(path, MAX_MANIFEST, "cached manifest", IntegrityError)
+                yield Manifest.parse(raw, digest), path.stat().st_mtime
 
     def artifacts(self) -> list[CachedArtifact]:
         refs = self._refs()
@@ -189,9 +207,8 @@ class Cache:
                 dropped += 1
                 if not dry_run:
                     for ref in refs.get(m.digest, ()):
-                        name, _, tag = ref.rpartition(":")
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(self.root / "refs" / name / tag)
+                        with contextlib.suppress(FileNotFoundError, UsageError):
+                            os.unlink(self._ref_path(Reference.parse(ref)))
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self._manifest_path(m.digest))
             else:
@@ -205,6 +222,7 @@ class Cache:
                     self.blobs.delete(info.digest)
         if not dry_run:
             self._sweep_temp(now)
+            shutil.rmtree(self.root / "refs", ignore_errors=True)  # the old ref layout
         return PruneReport(dropped, blobs, freed)
 
     def _sweep_temp(self, now: float, grace: float = 3600.0) -> None:

@@ -17,7 +17,7 @@ from kvgraft.catalog import ArtifactRecord, Catalog, EventRecord, PushRecord, Ta
 from kvgraft.catalog.records import AttestationRecord, BlobRecord
 from kvgraft.config import Config, actor
 from kvgraft.digest import Digest
-from kvgraft.errors import IntegrityError, NotFound, UsageError
+from kvgraft.errors import IntegrityError, NotFound, RegistryError, UsageError
 from kvgraft.identity import ModelIdentity
 from kvgraft.manifest import Manifest
 from kvgraft.pull import Fetcher, FetchStats, Progress, export, fetch
@@ -50,6 +50,7 @@ class PushResult:
     stored_size: int
     token_count: int
     previous: Digest | None
+    warnings: tuple[str, ...] = ()  # what failed after the commit (the push stands)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,7 @@ class PullResult:
     reference: Reference
     output: Path | None
     stats: FetchStats
+    warnings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,16 @@ class Inspection:
             "labels": dict(r.labels), "chunks": [dict(c) for c in self.chunks],
             "manifest": m.to_json(),
         }
+
+
+def _best_effort(what: str, fn: Callable[[], object]) -> tuple[str, ...]:
+    """Run `fn`; a failure becomes a warning line instead of an error."""
+    try:
+        fn()
+    except (OSError, RegistryError) as e:
+        why = e.message if isinstance(e, RegistryError) else (e.strerror or str(e))
+        return (f"{what} failed: {why}",)
+    return ()
 
 
 def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
@@ -146,11 +158,16 @@ class Registry:
         outcome = self.catalog.record_push(PushRecord(
             m, upload.blobs, ref.name, ref.tag, labels, event))
         self._ensure_blobs(m, lambda: build_artifact(path, self.store, options).blobs)
-        self.cache.put_manifest(m.digest, m.canonical())
-        self.cache.put_ref(ref, m.digest)
+        # The push is committed: remembering it in this machine's cache is a convenience
+        # (for --offline), so a full or broken cache is a warning, not a failed push.
+        def remember() -> None:
+            self.cache.put_manifest(m.digest, m.canonical())
+            self.cache.put_ref(ref, m.digest)
+
+        warnings = _best_effort(f"caching {ref}", remember)
         return PushResult(m.digest, ref, outcome.created, upload.stored, upload.stored_bytes,
                           m.size, sum(b.stored_size for b in upload.blobs), m.token_count,
-                          outcome.previous)
+                          outcome.previous, warnings)
 
     def tag(self, src: Reference | str, dst: Reference | str) -> Digest:
         src = Reference.parse(src) if isinstance(src, str) else src
@@ -239,12 +256,13 @@ class Registry:
             stats = export(manifest, opened.fetcher, output, workers=workers, progress=progress)
         if self.config.offline:
             return PullResult(digest, ref, output, stats)  # no catalog to log to
-        self.cache.put_ref(ref, digest)
+        warnings = _best_effort(f"remembering {ref} in the cache",
+                                lambda: self.cache.put_ref(ref, digest))
         self.catalog.add_event(self._event(
             "pull", repository=ref.name, tag=ref.tag, digest=digest,
             detail={"fetched": stats.fetched, "fetched_bytes": stats.fetched_bytes,
                     "output": str(output) if output else None}))
-        return PullResult(digest, ref, output, stats)
+        return PullResult(digest, ref, output, stats, warnings)
 
     def copy(self, src: Reference | str, dst_registry: Registry, dst: Reference | str,
              ) -> tuple[Digest, CopyStats]:
@@ -391,11 +409,12 @@ class Registry:
                     grace=DEFAULT_GRACE if grace is None else grace,
                     untagged_older_than=untagged_older_than)
 
-    def gc(self, gc_plan: GcPlan) -> GcResult:
+    def gc(self, gc_plan: GcPlan, *, allow_empty_catalog: bool = False) -> GcResult:
         from kvgraft.gc import execute
 
         return execute(self.catalog, self.store, gc_plan,
-                       self._event("gc", detail={"store": self.store.url}))
+                       self._event("gc", detail={"store": self.store.url}),
+                       allow_empty_catalog=allow_empty_catalog)
 
     def check_policy(self, ref: Reference | Digest | str, manifest: Manifest, *,
                      require_signed_by: Sequence[str] = (), require_verified: bool = False,

@@ -144,6 +144,13 @@ def frame(codec: Codec, data: Buffer) -> list[Buffer]:
     return [header, codec.encode(data)]
 
 
+def max_stored_size(size: int) -> int:
+    """The most bytes a stored blob of `size` decoded bytes can take: the longest frame
+    header, plus zstd's worst-case expansion (ZSTD_COMPRESSBOUND) with room to spare. A
+    reader refuses anything longer before reading it."""
+    return 6 + 255 + _SIZE.size + size + (size >> 7) + 4096
+
+
 def parse_frame(stored: Buffer) -> tuple[str, int, memoryview]:
     """Return (codec name, decoded size, body) of a stored blob."""
     view = memoryview(stored)

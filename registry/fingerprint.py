@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.digest import Digest, canonical_json
-from kvgraft.errors import InvalidKVFile, MissingExtra, UsageError
-from kvgraft.fsutil import atomic_writer
+from kvgraft.errors import InvalidKVFile, MissingExtra, RegistryError, UsageError
+from kvgraft.fsutil import MiB, atomic_writer, read_bounded
 from kvgraft.identity import ModelIdentity
 
 # Config fields that decide the KV layout or the meaning of the cached keys and values.
@@ -238,10 +238,10 @@ def dir_weights_digest(model_dir: Path, cache_dir: Path | None) -> Digest | None
     cache_path = _cache_file(cache_dir, model_dir) if cache_dir is not None else None
     if cache_path is not None and cache_path.is_file():
         try:
-            data = json.loads(cache_path.read_text())
+            data = json.loads(read_bounded(cache_path, 64 * MiB, "weights digest cache"))
             if data.get("version") == WEIGHTS_CACHE_VERSION:
                 cached = data.get("files", {})
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, RegistryError):  # a bad cache is recomputed
             cached = {}
     tensors: list[TensorDigest] = []
     fresh: dict[str, Any] = {}

@@ -10,12 +10,62 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from kvgraft.digest import Buffer
+from kvgraft.errors import RegistryError, UsageError
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: Path | str, what: str,
+                 error: type[RegistryError] = UsageError) -> tuple[int, os.stat_result]:
+    """Open a regular file for reading; `error` for anything else (a FIFO would block
+    forever, a device would never end). Symlinks are followed to a regular file.
+    FileNotFoundError propagates for the caller to word."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise error(f"{what} {path} is {_kind(st.st_mode)}, not a regular file")
+    # O_NONBLOCK: had it become a FIFO since the stat, open() still returns at once.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{what} {path} is {_kind(st.st_mode)}, not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_bounded(path: Path | str, limit: int, what: str,
+                 error: type[RegistryError] = UsageError) -> bytes:
+    """The whole regular file at `path`, refused (as `error`) if it holds more than
+    `limit` bytes: never more than limit + 1 bytes are read."""
+    fd, st = open_regular(path, what, error)
+    with os.fdopen(fd, "rb") as f:
+        if st.st_size > limit:
+            raise error(f"{what} {path} is {st.st_size} bytes, more than the {limit} "
+                        "it may hold")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise error(f"{what} {path} holds more than the {limit} bytes it may hold")
+    return data
 
 
 @contextlib.contextmanager

@@ -149,10 +149,20 @@ def _refuse(unknown: list[Digest]) -> None:
              "or a copy of the registry, then run gc again")
 
 
-def execute(catalog: Catalog, store: BlobStore, gc_plan: GcPlan, event: EventRecord,
-            ) -> GcResult:
-    """Carry out `gc_plan`; every decision is re-checked under the gc lock (module doc)."""
+def execute(catalog: Catalog, store: BlobStore, gc_plan: GcPlan, event: EventRecord, *,
+            allow_empty_catalog: bool = False) -> GcResult:
+    """Carry out `gc_plan`; every decision is re-checked under the gc lock (module doc).
+
+    A catalog without a single artifact in front of a store full of old blobs is far more
+    often a lost or wrong catalog (a fresh file, a wrong KVGRAFT_CATALOG_URL) than a store
+    that really is all garbage, so that sweep needs `allow_empty_catalog`."""
     p = gc_plan
+    if p.blobs and not p.artifacts and not p.kept_artifacts and not allow_empty_catalog:
+        raise Conflict(
+            f"the catalog holds no artifacts but {store.url} holds {len(p.blobs)} old "
+            "blob(s); refusing to delete them all",
+            hint="check KVGRAFT_CATALOG_URL (a lost catalog is restored from a backup); "
+                 "if the store really holds nothing you need, run gc --allow-empty-catalog")
     detail = {**event.detail, "grace_seconds": p.grace,
               "untagged_older_than_seconds": p.untagged_older_than,
               "blobs_planned": len(p.blobs), "bytes_planned": p.bytes_freed}

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvgraft.digest import Buffer, Digest, canonical_json
 from kvgraft.errors import InvalidKVFile, UsageError
-from kvgraft.fsutil import atomic_writer
+from kvgraft.fsutil import atomic_writer, open_regular
 from kvgraft.identity import ModelIdentity
 
 FORMAT_VERSION = "1"
@@ -95,8 +95,10 @@ def _bad(path: Path | str, why: str) -> InvalidKVFile:
 def read_layout(path: Path | str) -> KVLayout:
     """Parse and validate a KV file header; raises InvalidKVFile on anything malformed."""
     try:
-        with open(path, "rb") as f:
-            file_size = os.fstat(f.fileno()).st_size
+        # A FIFO or a device as input would block forever or never end: refused here.
+        fd, st = open_regular(path, "KV file")
+        with os.fdopen(fd, "rb") as f:
+            file_size = st.st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise _bad(path, "shorter than a safetensors header")

@@ -23,7 +23,7 @@ from typing import TypeVar
 from kvgraft.blobstore.base import BlobStore
 from kvgraft.cache import Cache
 from kvgraft.chunks import ChunkPlan, manifest_plans, scatter_many
-from kvgraft.codec import decode_blob
+from kvgraft.codec import decode_blob, max_stored_size
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, NotFound, RegistryError
 from kvgraft.fsutil import fsync_dir
@@ -79,7 +79,7 @@ class Fetcher:
             if data is not None:
                 self._count(0)
                 return data, 0
-            stored = self.store.get(ref.digest)
+            stored = self.store.get(ref.digest, max_stored_size(ref.size))
             data = verify_stored(ref, stored, self.store.url, into)
             self.cache.put_stored(ref.digest, stored)
         self._count(len(stored))

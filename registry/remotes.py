@@ -9,6 +9,7 @@ optionally a cache directory, so one machine can work with several registries.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import tomllib
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.errors import Conflict, NotFound, UsageError
-from kvgraft.fsutil import atomic_writer
+from kvgraft.fsutil import MiB, atomic_writer, read_bounded
 
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+MAX_CONFIG = MiB  # a config.toml naming remotes; larger is not one
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +46,7 @@ def config_path(home: Path) -> Path:
 def load_document(home: Path) -> dict[str, Any]:
     path = config_path(home)
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        return tomllib.load(io.BytesIO(read_bounded(path, MAX_CONFIG, "config file")))
     except FileNotFoundError:
         return {}
     except tomllib.TOMLDecodeError as e:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvgraft.blobstore.base import BlobStore
 from kvgraft.catalog.records import BlobRecord
-from kvgraft.codec import parse_frame
+from kvgraft.codec import max_stored_size, parse_frame
 from kvgraft.manifest import BlobRef, Manifest
 from kvgraft.pull import verify_stored
 from kvgraft.push import existing_record
@@ -30,7 +30,7 @@ def copy_blobs(manifest: Manifest, src: BlobStore, dst: BlobStore, *,
         existing = existing_record(dst, ref.digest, ref.size)
         if existing is not None:
             return existing, 0
-        stored = src.get(ref.digest)
+        stored = src.get(ref.digest, max_stored_size(ref.size))
         verify_stored(ref, stored, src.url)
         name, _, _ = parse_frame(stored)
         dst.put(ref.digest, [stored])

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvgraft.blobstore.base import BlobStore
 from kvgraft.catalog.records import BlobRecord
+from kvgraft.codec import max_stored_size
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound
 from kvgraft.manifest import BlobRef, Manifest
@@ -34,9 +35,11 @@ class VerifyReport:
 
 def _check(store: BlobStore, ref: BlobRef, record: BlobRecord | None) -> BadBlob | None:
     try:
-        stored = store.get(ref.digest)
+        stored = store.get(ref.digest, max_stored_size(ref.size))
     except NotFound:
         return BadBlob(ref.digest, f"missing from {store.url}")
+    except IntegrityError as e:  # too large, or not a plain object
+        return BadBlob(ref.digest, e.message)
     try:
         verify_stored(ref, stored, store.url)
     except IntegrityError as e:

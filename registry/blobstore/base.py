@@ -39,14 +39,26 @@ class BlobStore(Protocol):
         """
         ...
 
-    def get(self, digest: Digest) -> bytes:
-        """The whole stored blob (blobs are chunk-sized); NotFound if absent."""
+    def get(self, digest: Digest, max_size: int | None = None) -> bytes:
+        """The whole stored blob (blobs are chunk-sized); NotFound if absent.
+
+        With `max_size` (what the blob may take, from its manifest size), a stored object
+        larger than that is refused with IntegrityError before it is read."""
         ...
 
     def open(self, digest: Digest) -> BinaryIO:
-        """A streaming reader over the stored blob; NotFound if absent."""
+        """A streaming reader over the stored blob; NotFound if absent; IntegrityError
+        if what the store holds is not a plain object (a device, a FIFO)."""
         ...
 
     def delete(self, digest: Digest) -> bool: ...
 
     def iter(self) -> Iterator[BlobInfo]: ...
+
+
+def too_large(digest: Digest, where: str, size: int, max_size: int) -> Exception:
+    from kvgraft.errors import IntegrityError
+
+    return IntegrityError(f"blob {digest} in {where} is corrupt: {size} stored bytes, "
+                          f"at most {max_size} expected",
+                          hint="run `kvgraft verify --all`; re-push the file to repair")

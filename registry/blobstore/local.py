@@ -7,10 +7,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from kvgraft.blobstore.base import BlobInfo, blob_path
+from kvgraft.blobstore.base import BlobInfo, blob_path, too_large
 from kvgraft.digest import Buffer, Digest
-from kvgraft.errors import NotFound, Unavailable, UsageError
-from kvgraft.fsutil import create_exclusive
+from kvgraft.errors import IntegrityError, NotFound, Unavailable, UsageError
+from kvgraft.fsutil import create_exclusive, open_regular
 
 
 def _failed(action: str, path: Path, e: OSError) -> Unavailable:
@@ -61,17 +61,34 @@ class LocalBlobStore:
         except OSError as e:
             raise _failed("write blob", target, e) from None
 
-    def get(self, digest: Digest) -> bytes:
-        with self.open(digest) as f:
+    def get(self, digest: Digest, max_size: int | None = None) -> bytes:
+        fd, st = self._open(digest)
+        with os.fdopen(fd, "rb") as f:
+            if max_size is None:
+                try:
+                    return f.read()
+                except OSError as e:
+                    raise _failed("read blob", self._path(digest), e) from None
+            if st.st_size > max_size:
+                raise too_large(digest, self.url, st.st_size, max_size)
             try:
-                return f.read()
+                data = f.read(max_size + 1)  # bounded even if the file grows under us
             except OSError as e:
                 raise _failed("read blob", self._path(digest), e) from None
+        if len(data) > max_size:
+            raise too_large(digest, self.url, len(data), max_size)
+        return data
 
     def open(self, digest: Digest) -> BinaryIO:
+        fd, _ = self._open(digest)
+        return os.fdopen(fd, "rb")
+
+    def _open(self, digest: Digest) -> tuple[int, os.stat_result]:
+        # A blob replaced by a symlink to /dev/zero or a FIFO must fail, not hang or
+        # fill memory.
         path = self._path(digest)
         try:
-            return open(path, "rb")
+            return open_regular(path, f"blob {digest} in", IntegrityError)
         except FileNotFoundError:
             raise NotFound(f"blob {digest} is not in {self.url}") from None
         except OSError as e:

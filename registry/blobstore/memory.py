@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
-from kvgraft.blobstore.base import BlobInfo
+from kvgraft.blobstore.base import BlobInfo, too_large
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import NotFound
 
@@ -41,10 +41,12 @@ class MemoryBlobStore:
             self._blobs[digest] = (data, time.time())
         return True
 
-    def get(self, digest: Digest) -> bytes:
+    def get(self, digest: Digest, max_size: int | None = None) -> bytes:
         entry = self._blobs.get(digest)
         if entry is None:
             raise NotFound(f"blob {digest} is not in {self.url}")
+        if max_size is not None and len(entry[0]) > max_size:
+            raise too_large(digest, self.url, len(entry[0]), max_size)
         return entry[0]
 
     def open(self, digest: Digest) -> BinaryIO:

@@ -25,7 +25,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from kvgraft.blobstore.base import BlobInfo, blob_path
+from kvgraft.blobstore.base import BlobInfo, blob_path, too_large
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import NotFound, Unavailable, UsageError
 
@@ -355,10 +355,16 @@ class S3BlobStore:
         raw = _BodyReader(response["Body"], lambda e: self._fail(e, f"read blob {digest}"))
         return cast(BinaryIO, io.BufferedReader(raw, buffer_size=256 << 10))
 
-    def get(self, digest: Digest) -> bytes:
-        """The whole blob; a large one is fetched as parallel ranged GETs after the first part."""
+    def get(self, digest: Digest, max_size: int | None = None) -> bytes:
+        """The whole blob; a large one is fetched as parallel ranged GETs after the first part.
+
+        The size is checked from the response headers, before any of the body is read: an
+        object replaced by a huge one is refused, not downloaded."""
         response = self._get_object(digest)
         size: int = response["ContentLength"]
+        if max_size is not None and size > max_size:
+            response["Body"].close()
+            raise too_large(digest, self.url, size, max_size)
         part = self.settings.part_size
         if size < self.settings.multipart_threshold:
             try:

@@ -11,11 +11,11 @@ from typing import Any
 
 from sqlalchemy import Engine, Select, delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
 from kvgraft.catalog import audit, schema
-from kvgraft.catalog.engine import make_engine, safe_url
+from kvgraft.catalog.engine import RESTORE_HINT, make_engine, safe_url
 from kvgraft.catalog.models import (
     ArtifactBlobRow,
     ArtifactChunkRow,
@@ -95,6 +95,13 @@ class Catalog:
         except OperationalError as e:
             raise Unavailable(
                 f"catalog {safe_url(self.url)} is unavailable: {str(e.orig).strip()}") from None
+        except DatabaseError as e:
+            # Exactly DatabaseError (not its IntegrityError/DataError subclasses): SQLite's
+            # "file is not a database" / "database disk image is malformed".
+            if type(e) is not DatabaseError or self.engine.dialect.name != "sqlite":
+                raise
+            raise Unavailable(f"catalog {safe_url(self.url)} is corrupt: "
+                              f"{str(e.orig).strip()}", hint=RESTORE_HINT) from None
         except DBAPIError as e:
             if e.connection_invalidated:
                 raise Unavailable(

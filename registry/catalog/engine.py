@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sqlite3
+import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +14,13 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-from kvgraft.errors import MissingExtra, UsageError
+from kvgraft.errors import MissingExtra, Unavailable, UsageError
 
 SQLITE_BUSY_MS = 30_000
+SQLITE_MAGIC = b"SQLite format 3\x00"
+RESTORE_HINT = ("restore it from a backup, or move it aside to start an empty catalog "
+                "(then run gc only with --allow-empty-catalog, once you are sure the store "
+                "holds nothing you need)")
 
 
 def safe_url(url: str) -> str:
@@ -45,9 +54,9 @@ def make_engine(url: str) -> Engine:
 
 
 def _sqlite_engine(url: str, database: str | None) -> Engine:
-    if database and database != ":memory:":
-        Path(database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_MS / 1000})
+    if database and database != ":memory:" and not database.startswith("file:"):
+        ensure_sqlite_file(Path(database))
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -68,3 +77,55 @@ def _sqlite_engine(url: str, database: str | None) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
     return engine
+
+
+def ensure_sqlite_file(path: Path) -> None:
+    """Create a missing catalog file; refuse one that exists but is not a SQLite database.
+
+    SQLite itself would treat a zero-length file as a new database, and the embedded
+    catalog would then upgrade itself into an empty one: every blob in the store would
+    look unreferenced to gc. Only a missing file is created, and it is created whole (a
+    valid empty database built beside it, then linked into place), so a second process
+    starting at the same moment never sees a zero-length file either.
+    """
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        _create_sqlite_file(path)
+        return
+    except OSError as e:
+        raise Unavailable(f"cannot read the catalog file {path}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise Unavailable(f"the catalog file {path} is not a regular file",
+                          hint="point KVGRAFT_CATALOG_URL at a SQLite file")
+    if st.st_size == 0:
+        raise Unavailable(f"the catalog file {path} is empty (0 bytes); kvgraft does not "
+                          "re-create an existing catalog", hint=RESTORE_HINT)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(SQLITE_MAGIC))
+    except OSError as e:
+        raise Unavailable(f"cannot read the catalog file {path}: {e.strerror}") from None
+    if magic != SQLITE_MAGIC:
+        raise Unavailable(f"the catalog file {path} is not a SQLite database "
+                          "(corrupt or overwritten)", hint=RESTORE_HINT)
+
+
+def _create_sqlite_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        conn = sqlite3.connect(tmp)
+        try:
+            # Writing the persistent WAL flag writes the database header: the file is a
+            # valid (empty) database from the moment it has a name.
+            conn.execute("PRAGMA journal_mode=WAL")
+        finally:
+            conn.close()
+        with contextlib.suppress(FileExistsError):  # another process created it first
+            os.link(tmp, path)
+    finally:
+        for leftover in (tmp, tmp + "-wal", tmp + "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)

@@ -28,10 +28,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from securesystemslib.signer import CryptoSigner, SSlibKey
 
 from kvgraft.errors import Conflict, IntegrityError, NotFound, UsageError
-from kvgraft.fsutil import atomic_writer
+from kvgraft.fsutil import atomic_writer, read_bounded
 
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 KEYID = re.compile(r"[0-9a-f]{64}")
+MAX_KEY_FILE = 64 * 1024  # a PEM or JSON key is well under 1 KiB
 ED25519 = "ed25519"
 
 
@@ -159,7 +160,8 @@ class Keyring:
     def public(self, name: str) -> PublicKey:
         path = self.keys_dir / f"{check_key_name(name)}.pub"
         try:
-            return PublicKey.parse(path.read_bytes(), name)
+            return PublicKey.parse(read_bounded(path, MAX_KEY_FILE, "key file", IntegrityError),
+                                   name)
         except FileNotFoundError:
             raise NotFound(f"no key named {name!r} in {self.keys_dir}",
                            hint="`kvgraft key ls` lists them; `kvgraft key generate` makes one"
@@ -170,7 +172,7 @@ class Keyring:
         path = self.keys_dir / f"{name}.key"
         try:
             mode = path.stat().st_mode
-            raw = path.read_bytes()
+            raw = read_bounded(path, MAX_KEY_FILE, "private key file", IntegrityError)
         except FileNotFoundError:
             raise NotFound(f"key {name!r} has no private key in {self.keys_dir}") from None
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -204,7 +206,7 @@ class Keyring:
 
     def trust_file(self, path: Path) -> tuple[PublicKey, bool]:
         try:
-            raw = path.read_bytes()
+            raw = read_bounded(path, MAX_KEY_FILE, "key file")
         except FileNotFoundError:
             raise NotFound(f"no such key file: {path}") from None
         except OSError as e:
@@ -218,7 +220,8 @@ class Keyring:
             return out
         for p in sorted(self.trusted_dir.glob("*.pub")):
             try:
-                key = PublicKey.parse(p.read_bytes())
+                key = PublicKey.parse(read_bounded(p, MAX_KEY_FILE, "trust store file",
+                                                   IntegrityError))
             except (UsageError, IntegrityError) as e:
                 raise IntegrityError(f"trust store file {p} is invalid: {e.message}") from None
             if p.stem != key.keyid:

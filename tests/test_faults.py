@@ -1,0 +1,208 @@
+"""Unlucky and hostile conditions: a damaged catalog, special files, corrupted blobs,
+colliding references, killed writers. Each test reproduces a defect and checks the data
+survives it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgraft.sample import write_synthetic
+
+
+def run(env: dict[str, str], *args: str, timeout: float = 120,
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvgraft.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def blob_files(home: Path) -> list[Path]:
+    return sorted(p for p in (home / "blobs" / "sha256").glob("*/*")
+                  if not p.name.startswith("."))
+
+
+@pytest.fixture
+def pushed(cli_env: dict[str, str], tmp_path: Path) -> Path:
+    """A home whose catalog and store hold one pushed artifact; returns the KV file."""
+    src = write_synthetic(tmp_path / "a.kv", tokens=300)
+    r = run(cli_env, "push", str(src), "faults/a:v1")
+    assert r.returncode == 0, r.stderr
+    return src
+
+
+# --- the catalog never silently resets ---------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["empty", "garbage", "torn"])
+def test_damaged_catalog_is_an_error_not_a_reset(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path, damage: str) -> None:
+    home = tmp_path / "home"
+    db = home / "catalog.db"
+    run(cli_env, "ls")  # leaves the WAL checkpointed into catalog.db on close
+    blobs = blob_files(home)
+    assert blobs
+    if damage == "empty":
+        db.write_bytes(b"")
+    elif damage == "garbage":
+        db.write_bytes(b"\x00garbage" * 512)
+    else:  # a valid header, the pages after it overwritten
+        raw = bytearray(db.read_bytes())
+        raw[100:] = b"\xff" * (len(raw) - 100)
+        db.write_bytes(bytes(raw))
+    for args in (["ls"], ["gc", "--grace", "0s"], ["push", str(pushed), "faults/a:v2"]):
+        r = run(cli_env, *args)
+        assert r.returncode == 7, (args, r.stderr)
+        assert "catalog" in r.stderr and "backup" in r.stderr, r.stderr
+        assert "internal error" not in r.stderr
+    assert db.stat().st_size == (0 if damage == "empty" else db.stat().st_size)
+    assert blob_files(home) == blobs  # nothing deleted
+
+
+def test_missing_catalog_is_created(cli_env: dict[str, str], tmp_path: Path) -> None:
+    r = run(cli_env, "ls")
+    assert r.returncode == 0, r.stderr
+    db = tmp_path / "home" / "catalog.db"
+    assert db.read_bytes()[:16] == b"SQLite format 3\x00"
+    assert not [p for p in db.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_gc_refuses_empty_catalog_in_front_of_full_store(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    home = tmp_path / "home"
+    blobs = blob_files(home)
+    # The catalog is lost and a new one made (moved aside, as the error hint says).
+    for p in home.glob("catalog.db*"):
+        p.rename(p.with_name("old-" + p.name))
+    r = run(cli_env, "gc", "--grace", "0s")
+    assert r.returncode == 6, r.stderr
+    assert "--allow-empty-catalog" in r.stderr
+    assert blob_files(home) == blobs
+    r = run(cli_env, "gc", "--grace", "0s", "--dry-run")
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == len(blobs)
+    r = run(cli_env, "gc", "--grace", "0s", "--allow-empty-catalog")
+    assert r.returncode == 0, r.stderr
+    assert blob_files(home) == []
+
+
+# --- bounded reads; special files refused, not read ----------------------------------------
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "pipe"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_user_inputs_that_are_special_files_are_refused(
+        cli_env: dict[str, str], tmp_path: Path, fifo: Path, special: str) -> None:
+    path = str(fifo) if special == "fifo" else special
+    for args in (["trust", "add", path], ["push", path, "faults/x:v1"]):
+        r = run(cli_env, *args, timeout=60)  # a FIFO used to block forever here
+        assert r.returncode == 2, (args, r.stderr)
+        assert "not a regular file" in r.stderr
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    (home / "config.toml").symlink_to(path)
+    r = run(cli_env, "--remote", "x", "ls", timeout=60)
+    assert r.returncode == 2 and "not a regular file" in r.stderr, r.stderr
+
+
+def test_oversized_key_file_is_refused(cli_env: dict[str, str], tmp_path: Path) -> None:
+    big = tmp_path / "big.pub"
+    with open(big, "wb") as f:
+        f.truncate(1 << 30)  # sparse: a read of it would take a GiB of memory
+    r = run(cli_env, "trust", "add", str(big))
+    assert r.returncode == 2 and "more than" in r.stderr, r.stderr
+
+
+def test_store_blob_replaced_by_device_or_huge_file(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    home = tmp_path / "home"
+    blobs = blob_files(home)
+    small = min(blobs, key=lambda p: p.stat().st_size)
+    other = max(blobs, key=lambda p: p.stat().st_size)
+    small.unlink()
+    small.symlink_to("/dev/zero")
+    other.unlink()
+    with open(other, "wb") as f:
+        f.truncate(1 << 30)
+    r = run(cli_env, "verify", "--all")
+    assert r.returncode == 4, r.stderr
+    assert "character device" in r.stdout + r.stderr
+    assert "at most" in r.stdout + r.stderr
+    r = run(cli_env, "pull", "faults/a:v1", "-o", str(tmp_path / "out.kv"))
+    assert r.returncode == 4, r.stderr
+    assert not (tmp_path / "out.kv").exists()
+
+
+def test_cache_blob_replaced_by_device_is_fetched_again(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    r = run(cli_env, "pull", "faults/a:v1", "-o", str(tmp_path / "one.kv"))
+    assert r.returncode == 0, r.stderr
+    cached = sorted(p for p in (tmp_path / "cache" / "blobs" / "sha256").glob("*/*"))
+    assert cached
+    for p in cached:
+        p.unlink()
+        p.symlink_to("/dev/zero")
+    r = run(cli_env, "pull", "faults/a:v1", "-o", str(tmp_path / "two.kv"))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "two.kv").read_bytes() == pushed.read_bytes()
+    assert not any(p.is_symlink() for p in cached)
+
+
+def test_s3_blob_replaced_by_larger_object_is_not_downloaded(s3_store_url: str) -> None:
+    from kvgraft.blobstore.s3 import S3BlobStore
+    from kvgraft.codec import RawCodec, frame, max_stored_size
+    from kvgraft.digest import Digest
+    from kvgraft.errors import IntegrityError
+
+    store = S3BlobStore.from_url(s3_store_url)
+    data = b"a small header blob"
+    digest = Digest.of(data)
+    assert store.put(digest, frame(RawCodec(), data))
+    huge = b"\0" * (8 << 20)
+    store.client.put_object(Bucket=store.bucket, Key=store._key(digest), Body=huge)
+    with pytest.raises(IntegrityError, match="at most"):
+        store.get(digest, max_stored_size(len(data)))
+
+
+# --- a push is done or not ---------------------------------------------------------------
+
+def test_references_sharing_a_prefix_do_not_collide_in_the_cache(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    # The old layout's refs/coll/b (a file) is still there from an older kvgraft.
+    old = tmp_path / "cache" / "refs" / "coll" / "b"
+    old.parent.mkdir(parents=True)
+    old.write_text("sha256:" + "0" * 64)
+    for ref in ("coll:b", "coll/b:c", "coll/b/c:d"):
+        r = run(cli_env, "push", str(pushed), ref)
+        assert r.returncode == 0 and "warning" not in r.stderr, r.stderr
+    offline = {**cli_env, "KVGRAFT_OFFLINE": "1"}
+    for env in (cli_env, offline):  # the second round from the cache's references alone
+        for ref in ("coll:b", "coll/b:c", "coll/b/c:d"):
+            out = tmp_path / f"{ref.replace('/', '_')}.kv"
+            r = run(env, "pull", ref, "-o", str(out))
+            assert r.returncode == 0 and "warning" not in r.stderr, (ref, r.stderr)
+            assert out.read_bytes() == pushed.read_bytes()
+    r = run(cli_env, "cache", "prune")
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "cache" / "refs").exists()
+
+
+def test_cache_failure_after_the_commit_is_a_warning(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    src = write_synthetic(tmp_path / "b.kv", tokens=200, seed=3)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    # Writes under these fail whoever runs the test (root ignores permissions).
+    (cache / "tags").write_text("not a directory")
+    (cache / "manifests").write_text("not a directory")
+    r = run(cli_env, "push", str(src), "faults/b:v1")
+    assert r.returncode == 0, r.stderr
+    assert "warning: caching faults/b:v1 failed" in r.stderr
+    r = run(cli_env, "ls", "--json")
+    assert '"faults/b"' in r.stdout
