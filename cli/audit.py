@@ -27,14 +27,18 @@ def _registry(ctx: click.Context) -> Registry:
 
 def parse_since(text: str, now: datetime | None = None) -> datetime:
     """An ISO 8601 time (local time when it names no zone) or a duration ago (24h, 7d)."""
-    if re.fullmatch(r"\s*\d+[smhdw]?\s*", text):
+    if re.fullmatch(r"\s*[0-9]+[smhdw]?\s*", text):
         return (now or datetime.now(UTC)) - timedelta(seconds=parse_duration(text))
     try:
         t = datetime.fromisoformat(text.strip())
     except ValueError:
         raise UsageError(f"not a time or duration: {text!r}",
                          hint="use e.g. 2026-12-01T09:00, 2026-12-01 or 24h") from None
-    return (t if t.tzinfo else t.astimezone()).astimezone(UTC)
+    try:
+        return (t if t.tzinfo else t.astimezone()).astimezone(UTC)
+    except (ValueError, OverflowError):  # local time at the edges of year 1 or 9999
+        raise UsageError(f"time {text!r} is out of range",
+                         hint="give a time between years 2 and 9998") from None
 
 
 def _write(output: Path | None, lines: list[str]) -> None:

@@ -12,7 +12,7 @@ from kvgraft import __version__
 from kvgraft.cli import audit, graft, manage
 from kvgraft.cli.errors import run_guarded
 from kvgraft.cli.output import emit_json, emit_table, err, human_bytes, progress_bar
-from kvgraft.client import Registry
+from kvgraft.client import Registry, check_output
 from kvgraft.codec import DEFAULT_CODEC, push_codec_names
 from kvgraft.config import Config
 from kvgraft.errors import IntegrityError, UsageError
@@ -121,6 +121,8 @@ def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str
     """Pull REF into the local cache, verifying every byte; --output rebuilds the file."""
     reg = _registry(ctx)
     reference = _ref(ref)
+    if output is not None:
+        check_output(output)  # a usage error before any catalog lookup
     total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:
         result = reg.pull(reference, output, progress=advance, require_signed_by=signed_by,

@@ -75,10 +75,30 @@ class Inspection:
 
 
 def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
-    for key in labels:
+    for key, value in labels.items():
         if not key or len(key) > _LABEL_KEY_MAX or not key.isprintable():
             raise UsageError(f"invalid label key {key!r}")
+        # PostgreSQL text cannot hold NUL; a lone surrogate (undecodable bytes in argv)
+        # cannot be stored as UTF-8 anywhere. Refused before any blob is uploaded.
+        if "\0" in value or not _utf8(value):
+            raise UsageError(f"invalid value for label {key!r}: it holds NUL or bytes that "
+                             "are not UTF-8")
     return dict(labels)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_output(output: Path) -> None:
+    """`-o ''` (which a Path reads as '.') and other names that cannot be a file."""
+    if output.name in ("", ".", ".."):
+        raise UsageError(f"the output must name a file, not {str(output)!r}",
+                         hint="an empty name, '.' or '..' names none")
 
 
 class Registry:
@@ -188,6 +208,8 @@ class Registry:
         for the graft's own model; or the live model's identity) add to the [policy] of
         config.toml; a refused pull raises PolicyRefused (exit 4) and is logged."""
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        if output is not None:
+            check_output(output)
         digest = self.resolve(ref)
         manifest = self.manifest(digest)
         self._enforce_policy(ref, digest, manifest, require_signed_by, require_verified)
