@@ -63,7 +63,7 @@ def test_postgres_push_refuses_before_storing(make_registry: RegistryFactory, po
     Catalog.open(postgres_url, auto_upgrade=True).close()
     reg = make_registry(catalog_url=postgres_url)
     try:
-        with pytest.raises(InvalidKVFile, match="model.name"):
+        with pytest.raises(InvalidKVFile, match=r"model\.name"):
             reg.push(HOSTILE / fixture, "hostile/name:v1")
         with pytest.raises(UsageError, match="label"):
             reg.push(HOSTILE / "good.kv", "hostile/name:v1", labels={"k": "a\0b"})
