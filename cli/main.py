@@ -243,6 +243,7 @@ def db_upgrade(ctx: click.Context) -> None:
     from kvgraft.catalog.schema import head_revision
 
     reg = _registry(ctx)
+    reg.require_online("the catalog")
     catalog = Catalog.open(reg.config.catalog_url, auto_upgrade=True)
     catalog.close()
     err(f"catalog at revision {head_revision()}")
@@ -258,6 +259,7 @@ def db_current(ctx: click.Context, as_json: bool) -> None:
     from kvgraft.catalog.schema import head_revision
 
     reg = _registry(ctx)
+    reg.require_online("the catalog")
     catalog = Catalog(make_engine(reg.config.catalog_url), reg.config.catalog_url)
     current, head = catalog.current_revision(), head_revision()
     catalog.close()

@@ -112,11 +112,22 @@ class Registry:
 
     @cached_property
     def store(self) -> BlobStore:
+        self.require_online("the blob store")
         return open_store(self.config.blob_url)
 
     @cached_property
     def catalog(self) -> Catalog:
+        self.require_online("the catalog")
         return Catalog.open(self.config.catalog_url, auto_upgrade=self.config.embedded)
+
+    def require_online(self, what: str) -> None:
+        """Offline means no catalog or store access at all: every path to them passes here,
+        so a command that needs them is refused before it reads or writes anything."""
+        if self.config.offline:
+            raise UsageError(
+                f"this needs {what}, and kvgraft is offline (--offline or KVGRAFT_OFFLINE)",
+                hint="offline, `pull` serves from the cache and `cache ls` lists it; "
+                     "drop --offline for everything else")
 
     @cached_property
     def cache(self) -> Cache:
