@@ -11,7 +11,7 @@ import click
 from kvgraft import __version__
 from kvgraft.cli import audit, graft, manage
 from kvgraft.cli.errors import run_guarded
-from kvgraft.cli.output import emit_json, emit_table, err, human_bytes, progress_bar
+from kvgraft.cli.output import echo, emit_json, emit_table, err, human_bytes, progress_bar
 from kvgraft.client import Registry, check_output
 from kvgraft.codec import DEFAULT_CODEC, push_codec_names
 from kvgraft.config import Config
@@ -182,7 +182,7 @@ def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
         ("created", r.created_at.isoformat()),
     ]
     for key, value in rows:
-        click.echo(f"{key:<13} {value}")
+        echo(f"{key:<13} {value}")
 
 
 @cli.command()
