@@ -11,7 +11,7 @@ import click
 
 from kvgraft.audit import AuditReport
 from kvgraft.cli.common import current_registry, json_option, parse_duration
-from kvgraft.cli.output import emit_json, emit_table, err, human_bytes
+from kvgraft.cli.output import echo, emit_json, emit_table, err, human_bytes
 from kvgraft.errors import IntegrityError, Unavailable, UsageError
 from kvgraft.fsutil import atomic_writer
 from kvgraft.reference import Reference
@@ -19,14 +19,18 @@ from kvgraft.reference import Reference
 
 def parse_since(text: str, now: datetime | None = None) -> datetime:
     """An ISO 8601 time (local time when it names no zone) or a duration ago (24h, 7d)."""
-    if re.fullmatch(r"\s*\d+[smhdw]?\s*", text):
+    if re.fullmatch(r"\s*[0-9]+[smhdw]?\s*", text):
         return (now or datetime.now(UTC)) - timedelta(seconds=parse_duration(text))
     try:
         t = datetime.fromisoformat(text.strip())
     except ValueError:
         raise UsageError(f"not a time or duration: {text!r}",
                          hint="use e.g. 2026-12-01T09:00, 2026-12-01 or 24h") from None
-    return (t if t.tzinfo else t.astimezone()).astimezone(UTC)
+    try:
+        return (t if t.tzinfo else t.astimezone()).astimezone(UTC)
+    except (ValueError, OverflowError):  # local time at the edges of year 1 or 9999
+        raise UsageError(f"time {text!r} is out of range",
+                         hint="give a time between years 2 and 9998") from None
 
 
 def _write(output: Path | None, lines: list[str]) -> None:
@@ -180,10 +184,10 @@ def sign(ctx: click.Context, ref: str, key_name: str, as_json: bool) -> None:
 
 def _print_audit(ref: str, r: AuditReport) -> None:
     def row(label: str, value: object) -> None:
-        click.echo(f"  {label:<13} {value}")
+        echo(f"  {label:<13} {value}")
 
-    click.echo(f"{ref} {r.digest}")
-    click.echo("manifest")
+    echo(f"{ref} {r.digest}")
+    echo("manifest")
     m = r.manifest
     if m is None:
         row("problem", r.manifest_problem)
@@ -192,42 +196,42 @@ def _print_audit(ref: str, r: AuditReport) -> None:
         row("tokens", f"{m.token_count} in {len(m.chunks)} chunks of {m.chunk_tokens}")
         row("size", f"{human_bytes(m.size)} ({human_bytes(r.record.stored_size)} stored)")
         row("file", f"{m.file_digest} ({human_bytes(m.file_size)})")
-        click.echo("model")
+        echo("model")
         row("name", m.model_name or "-")
         row("architecture", m.model.architecture)
         row("tokenizer", m.model.tokenizer)
         row("weights", m.model.weights or "-")
     if r.provenance is not None:
-        click.echo("provenance")
+        echo("provenance")
         pred = r.provenance.predicate
         pushed = pred.get("pushed") or {}
         row("pushed", f"{pushed.get('by', '-')} at {pushed.get('at', '-')}")
         for k, v in sorted(dict(pred.get("provenance", {})).items()):
             row(k, json.dumps(v, sort_keys=True))
-    click.echo("lineage")
+    echo("lineage")
     for p in r.parents:
         row("parent", f"{p.digest} {'ok' if not p.problem else p.problem}")
     for c in r.children:
         row("child", c)
-    click.echo("attestations")
+    echo("attestations")
     for a in r.attestations:
         who = f" signed by {', '.join(k[:16] for k in a.signers)}" if a.signers else \
             (" signed" if a.signed else " unsigned")
         row(f"#{a.id}", f"{a.predicate_type}{who}: "
                         f"{'ok' if a.ok else '; '.join(a.problems)}")
     if r.blobs is not None:
-        click.echo("blobs")
+        echo("blobs")
         row("checked", f"{r.blobs.checked} ({human_bytes(r.blobs.checked_bytes)}): "
                        f"{'ok' if r.blobs.ok else f'{len(r.blobs.bad)} bad'}")
-    click.echo("events")
+    echo("events")
     for e in r.events:
         when = e.at.astimezone().strftime("%Y-%m-%d %H:%M:%S") if e.at else "-"
         row(e.action, f"{when} {e.actor} {e.outcome}")
     head = r.chain.head
     row("chain", f"{r.chain.events} events, head {head[0]} {head[1]}" if head else "empty")
-    click.echo("result: " + ("ok" if r.ok else f"{len(r.failures)} problem(s)"))
+    echo("result: " + ("ok" if r.ok else f"{len(r.failures)} problem(s)"))
     for f in r.failures:
-        click.echo(f"  - {f}")
+        echo(f"  - {f}")
 
 
 @click.command("audit")

@@ -19,8 +19,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
-_DURATION = re.compile(r"(\d+)([smhdw]?)")
+_DURATION = re.compile(r"([0-9]{1,12})([smhdw]?)")  # ASCII digits; 12 keep int() cheap
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+MAX_DURATION = 100 * 365 * 86400  # far past any retention, far below datetime's range
 
 
 def current_registry(ctx: click.Context) -> Registry:
@@ -56,8 +57,11 @@ def parse_labels(pairs: tuple[str, ...]) -> dict[str, str]:
 
 
 def parse_duration(text: str) -> float:
-    """'0s', '30s', '15m', '24h', '7d', '2w' → seconds."""
+    """'0s', '30s', '15m', '24h', '7d', '2w' → seconds (at most 100 years)."""
     m = _DURATION.fullmatch(text.strip())
     if m is None:
         raise UsageError(f"not a duration: {text!r}", hint="use e.g. 30s, 15m, 24h, 7d")
-    return int(m.group(1)) * _UNITS[m.group(2)]
+    seconds = int(m.group(1)) * _UNITS[m.group(2)]
+    if seconds > MAX_DURATION:
+        raise UsageError(f"duration {text!r} is longer than 100 years", hint="use e.g. 7d")
+    return seconds

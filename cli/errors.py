@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from kvgraft.cli.output import safe
 from kvgraft.errors import RegistryError, Unavailable
 
 EXIT_INTERRUPTED = 130
@@ -40,5 +41,5 @@ def run_guarded(fn: Callable[[], Any]) -> Any:
 def _fail(message: str, code: int) -> None:
     if debug():
         traceback.print_exc()
-    click.echo(message, file=sys.stderr)
+    click.echo(safe(message), file=sys.stderr)
     sys.exit(code)

@@ -18,7 +18,7 @@ from kvgraft.cli.common import (
     policy_options,
     signed_by_option,
 )
-from kvgraft.cli.output import emit_json, err
+from kvgraft.cli.output import echo, emit_json, err
 from kvgraft.client import Registry
 from kvgraft.errors import UsageError
 from kvgraft.reference import Reference
@@ -87,7 +87,7 @@ def fingerprint_cmd(ctx: click.Context, model_spec: str, dtype: str | None, thre
                        ("weights", str(ident.weights) if ident.weights else "-"),
                        ("identity", str(ident.key)), ("kv dtype", fp.config.get("kv_dtype")),
                        ("layers", fp.config.get("num_hidden_layers"))]:
-        click.echo(f"{key:<13} {value}")
+        echo(f"{key:<13} {value}")
 
 
 @click.command("capture")
@@ -163,8 +163,8 @@ def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
                    **report.to_json()})
     else:
         for m in report.mismatches:
-            click.echo(f"MISMATCH {m.human()}")
-        click.echo(f"{reference}: {'compatible' if report.ok else 'INCOMPATIBLE'}")
+            echo(f"MISMATCH {m.human()}")
+        echo(f"{reference}: {'compatible' if report.ok else 'INCOMPATIBLE'}")
     report.check(f"graft {reference}")
 
 

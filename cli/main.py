@@ -13,8 +13,8 @@ from kvgraft import __version__
 from kvgraft.cli import audit, graft, manage
 from kvgraft.cli.common import current_registry, json_option, parse_labels, policy_options
 from kvgraft.cli.errors import run_guarded
-from kvgraft.cli.output import emit_json, emit_table, err, human_bytes, progress_bar
-from kvgraft.client import Registry
+from kvgraft.cli.output import echo, emit_json, emit_table, err, human_bytes, progress_bar
+from kvgraft.client import Registry, check_output
 from kvgraft.codec import DEFAULT_CODEC, push_codec_names
 from kvgraft.config import Config
 from kvgraft.errors import IntegrityError, UsageError
@@ -109,6 +109,8 @@ def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str
         reg = Registry(dataclasses.replace(reg.config, offline=True))
         ctx.call_on_close(reg.close)
     reference = _ref(ref)
+    if output is not None:
+        check_output(output)  # a usage error before any catalog lookup
     total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:
         result = reg.pull(reference, output, progress=advance, require_signed_by=signed_by,
@@ -170,7 +172,7 @@ def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
         ("created", r.created_at.isoformat()),
     ]
     for key, value in rows:
-        click.echo(f"{key:<13} {value}")
+        echo(f"{key:<13} {value}")
 
 
 @cli.command()
@@ -231,6 +233,7 @@ def db_upgrade(ctx: click.Context) -> None:
     from kvgraft.catalog.schema import head_revision
 
     reg = current_registry(ctx)
+    reg.require_online("the catalog")
     catalog = Catalog.open(reg.config.catalog_url, auto_upgrade=True)
     catalog.close()
     err(f"catalog at revision {head_revision()}")
@@ -246,6 +249,7 @@ def db_current(ctx: click.Context, as_json: bool) -> None:
     from kvgraft.catalog.schema import head_revision
 
     reg = current_registry(ctx)
+    reg.require_online("the catalog")
     catalog = Catalog(make_engine(reg.config.catalog_url), reg.config.catalog_url)
     current, head = catalog.current_revision(), head_revision()
     catalog.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -18,6 +19,20 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
+
+# C0 and C1 controls (ESC starts CSI and OSC sequences, BEL/ST end them), DEL, and the
+# bidirectional overrides and line separators that make text display as something else.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029"
+                     "\u202a-\u202e\u2066-\u2069]")
+
+
+def safe(value: object) -> str:
+    """`value` as text that cannot drive a terminal: stored strings (model names, labels,
+    actors, messages) are someone else's input. Human output always goes through this;
+    JSON output stays exact."""
+    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"),
+                       str(value))
 
 
 def emit_json(value: Any) -> None:
@@ -28,7 +43,8 @@ def emit_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     console = Console(soft_wrap=True)
     table = Table(*headers, box=None, pad_edge=False, header_style="bold")
     for row in rows:
-        table.add_row(*(str(c) for c in row))
+        # Text, not str: rich would read "[...]" in a stored string as markup.
+        table.add_row(*(Text(safe(c)) for c in row))
     console.print(table)
 
 
@@ -60,4 +76,9 @@ def progress_bar(description: str, total: int) -> Iterator[Callable[[int], None]
 
 
 def err(message: str) -> None:
-    click.echo(message, file=sys.stderr)
+    click.echo(safe(message), file=sys.stderr)
+
+
+def echo(text: object) -> None:
+    """One line of human output on stdout, made safe for a terminal."""
+    click.echo(safe(text))

@@ -103,10 +103,30 @@ def _best_effort(what: str, fn: Callable[[], object]) -> tuple[str, ...]:
 
 
 def check_labels(labels: Mapping[str, str]) -> dict[str, str]:
-    for key in labels:
+    for key, value in labels.items():
         if not key or len(key) > _LABEL_KEY_MAX or not key.isprintable():
             raise UsageError(f"invalid label key {key!r}")
+        # PostgreSQL text cannot hold NUL; a lone surrogate (undecodable bytes in argv)
+        # cannot be stored as UTF-8 anywhere. Refused before any blob is uploaded.
+        if "\0" in value or not _utf8(value):
+            raise UsageError(f"invalid value for label {key!r}: it holds NUL or bytes that "
+                             "are not UTF-8")
     return dict(labels)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_output(output: Path) -> None:
+    """`-o ''` (which a Path reads as '.') and other names that cannot be a file."""
+    if output.name in ("", ".", ".."):
+        raise UsageError(f"the output must name a file, not {str(output)!r}",
+                         hint="an empty name, '.' or '..' names none")
 
 
 class Registry:
@@ -120,11 +140,22 @@ class Registry:
 
     @cached_property
     def store(self) -> BlobStore:
+        self.require_online("the blob store")
         return open_store(self.config.blob_url)
 
     @cached_property
     def catalog(self) -> Catalog:
+        self.require_online("the catalog")
         return Catalog.open(self.config.catalog_url, auto_upgrade=self.config.embedded)
+
+    def require_online(self, what: str) -> None:
+        """Offline means no catalog or store access at all: every path to them passes here,
+        so a command that needs them is refused before it reads or writes anything."""
+        if self.config.offline:
+            raise UsageError(
+                f"this needs {what}, and kvgraft is offline (--offline or KVGRAFT_OFFLINE)",
+                hint="offline, `pull` serves from the cache and `cache ls` lists it; "
+                     "drop --offline for everything else")
 
     @cached_property
     def cache(self) -> Cache:
@@ -244,6 +275,8 @@ class Registry:
         """`require_signed_by` (keyids or key names, any one) and `require_verified` (True:
         for the graft's own model; or the live model's identity) add to the [policy] of
         config.toml; a refused pull raises PolicyRefused (exit 4) and is logged."""
+        if output is not None:
+            check_output(output)
         opened = self.open(ref, require_signed_by=require_signed_by,
                            require_verified=bool(require_verified),
                            model=require_verified if isinstance(require_verified, ModelIdentity)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvgraft import strictjson
 from kvgraft.digest import Buffer, Digest, canonical_json
 from kvgraft.errors import InvalidKVFile, UsageError
 from kvgraft.fsutil import atomic_writer, open_regular
@@ -30,6 +31,9 @@ ITEMSIZE: Mapping[str, int] = {
 }  # fmt: skip
 _LAYER_TENSOR = re.compile(r"layers\.(0|[1-9][0-9]*)\.(key|value)")
 _DIGEST_KEYS = ("model.architecture", "model.tokenizer", "model.weights")
+# ASCII digits only (str.isdigit() also takes '٠', '０' and '²'), and few enough for int().
+_START = re.compile(r"[0-9]{1,19}")
+MODEL_NAME_MAX = 255  # the catalog's models.name column
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +89,8 @@ class KVLayout:
     @property
     def model_config(self) -> Mapping[str, Any]:
         raw = self.metadata.get("model.config")
-        return json.loads(raw) if raw else {}
+        config: Mapping[str, Any] = strictjson.loads(raw) if raw else {}
+        return config
 
 
 def _bad(path: Path | str, why: str) -> InvalidKVFile:
@@ -115,9 +120,9 @@ def read_layout(path: Path | str) -> KVLayout:
 
 def parse_header(raw: bytes, file_size: int, path: Path | str = "<kv>") -> KVLayout:
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _bad(path, f"header is not JSON ({e})") from None
+        header = strictjson.loads(raw)
+    except ValueError as e:
+        raise _bad(path, f"header is not JSON kvgraft accepts ({e})") from None
     if not isinstance(header, dict):
         raise _bad(path, "header is not a JSON object")
     meta = header.pop("__metadata__", None)
@@ -180,18 +185,23 @@ def _kv_layout(path: Path | str, base: int, file_size: int, meta: dict[str, str]
     layers = tuple(_layer(path, i, pairs[i], meta, n) for i in range(len(pairs)))
     provenance: dict[str, Any] = {}
     if "provenance" in meta:
-        try:
-            provenance = json.loads(meta["provenance"])
-        except json.JSONDecodeError:
-            raise _bad(path, "provenance metadata is not JSON") from None
-        if not isinstance(provenance, dict):
-            raise _bad(path, "provenance metadata is not a JSON object")
+        provenance = _json_object(path, meta, "provenance")
     if "model.config" in meta:
-        try:
-            json.loads(meta["model.config"])
-        except json.JSONDecodeError:
-            raise _bad(path, "model.config metadata is not JSON") from None
+        _json_object(path, meta, "model.config")
+    name = meta.get("model.name", "")
+    if len(name) > MODEL_NAME_MAX or not name.isprintable():
+        raise _bad(path, f"model.name must be at most {MODEL_NAME_MAX} printable characters")
     return KVLayout(base, file_size, dict(meta), tensors, layers, tok, identity, provenance)
+
+
+def _json_object(path: Path | str, meta: Mapping[str, str], key: str) -> dict[str, Any]:
+    try:
+        value = strictjson.loads(meta[key])
+    except ValueError as e:
+        raise _bad(path, f"{key} metadata is not JSON kvgraft accepts ({e})") from None
+    if not isinstance(value, dict):
+        raise _bad(path, f"{key} metadata is not a JSON object")
+    return value
 
 
 def _identity(path: Path | str, meta: Mapping[str, str]) -> ModelIdentity:
@@ -218,7 +228,7 @@ def _layer(path: Path | str, i: int, kv: dict[str, TensorInfo], meta: Mapping[st
                          "disagree on heads, tokens or dtype")
     length = k.shape[1]
     raw_start = meta.get(f"layers.{i}.start", "0")
-    if not raw_start.isdigit():
+    if not _START.fullmatch(raw_start):
         raise _bad(path, f"layers.{i}.start is not a non-negative integer: {raw_start!r}")
     start = int(raw_start)
     if start + length != n:

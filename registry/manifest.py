@@ -7,13 +7,13 @@ and the cross-field rules the schema cannot say, so a Manifest that exists is va
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import jsonschema
 
+from kvgraft import strictjson
 from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import IntegrityError
 from kvgraft.identity import ModelIdentity
@@ -171,9 +171,9 @@ class Manifest:
         if expected is not None:
             expected.check(Digest.of(raw), "manifest")
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise IntegrityError(f"manifest is not JSON: {e}") from None
+            data = strictjson.loads(raw)
+        except ValueError as e:
+            raise IntegrityError(f"manifest is not JSON kvgraft accepts: {e}") from None
         manifest = cls.from_json(data)
         if expected is not None and manifest.canonical() != raw:
             raise IntegrityError("manifest is not in canonical form")

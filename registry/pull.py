@@ -79,7 +79,14 @@ class Fetcher:
             if data is not None:
                 self._count(0)
                 return data, 0
-            stored = self.store.get(ref.digest, max_stored_size(ref.size))
+            try:
+                stored = self.store.get(ref.digest, max_stored_size(ref.size))
+            except NotFound:
+                # The catalog promises this blob: its absence is lost data (exit 4, as in
+                # verify), not a reference the user got wrong (exit 3).
+                raise IntegrityError(f"blob {ref.digest} is missing from {self.store.url}",
+                                     hint="run `kvgraft verify --all`; re-push the file "
+                                          "to repair") from None
             data = verify_stored(ref, stored, self.store.url, into)
             self.cache.put_stored(ref.digest, stored)
         self._count(len(stored))

@@ -51,6 +51,10 @@ def load_document(home: Path) -> dict[str, Any]:
         return {}
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not valid TOML: it is not UTF-8 text") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path} is a directory, not a TOML file") from None
 
 
 def load_remotes(home: Path) -> dict[str, Remote]:

@@ -71,6 +71,21 @@ def _garble_header(data: bytes) -> bytes:
     return data[:8] + b"{" * n + data[8 + n :]
 
 
+def _raw_header(fn: Callable[[str], str]) -> Callable[[bytes], bytes]:
+    """Rewrite the header text itself, for what json.dumps cannot write."""
+    def apply(data: bytes) -> bytes:
+        (n,) = struct.unpack("<Q", data[:8])
+        raw = fn(data[8 : 8 + n].decode().rstrip()).encode()
+        raw += b" " * (-len(raw) % 8)
+        return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
+
+    return apply
+
+
+def _deep(text: str) -> str:
+    return '{"deep":' + "[" * 2000 + "]" * 2000 + "," + text[1:]
+
+
 # name -> (transformation of a good file, substring the error message must contain)
 CASES: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "empty.kv": (lambda d: b"", "shorter than a safetensors header"),
@@ -95,6 +110,23 @@ CASES: dict[str, tuple[Callable[[bytes], bytes], str]] = {
         {"bonus": h.pop("layers.1.value")})), "unexpected tensor"),
     "overlap.kv": (_edit(_tensor("layers.0.value", data_offsets=[0, 64])), "contiguous"),
     "bad-provenance.kv": (_edit(_meta("provenance", "{not json")), "provenance"),
+    "deep-nesting.kv": (_raw_header(_deep), "nested"),
+    "huge-int-shape.kv": (_raw_header(lambda t: t.replace(
+        '"shape":[1,8,4]', '"shape":[1,8,' + "4" * 5000 + "]", 1)), "5000 digits"),
+    "config-not-object.kv": (_edit(_meta("model.config", "[1, 2]")), "not a JSON object"),
+    "config-nan.kv": (_edit(_meta("model.config", '{"x": NaN}')), "NaN"),
+    "config-infinity.kv": (_edit(_meta("model.config", '{"x": -Infinity}')), "Infinity"),
+    "config-overflow.kv": (_edit(_meta("model.config", '{"x": 1e999999}')), "overflows"),
+    "config-deep.kv": (_edit(_meta("model.config", "[" * 100 + "]" * 100)), "nested"),
+    "lone-surrogate.kv": (_edit(_meta("model.name", "bad\ud800name")), "lone surrogate"),
+    "surrogate-in-config.kv": (_edit(_meta("model.config", '{"a": "\\udc00"}')),
+                               "lone surrogate"),
+    "start-arabic-digit.kv": (_edit(_meta("layers.1.start", "\u0660")), "layers.1.start"),
+    "start-fullwidth-digit.kv": (_edit(_meta("layers.1.start", "\uff10")), "layers.1.start"),
+    "start-superscript.kv": (_edit(_meta("layers.1.start", "\u00b2")), "layers.1.start"),
+    "start-5000-digits.kv": (_edit(_meta("layers.1.start", "1" * 5000)), "layers.1.start"),
+    "model-name-long.kv": (_edit(_meta("model.name", "m" * 256)), "model.name"),
+    "model-name-nul.kv": (_edit(_meta("model.name", "a\x00b")), "model.name"),
 }
 
 

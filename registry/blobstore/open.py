@@ -20,6 +20,8 @@ def open_store(url: str) -> BlobStore:
         from kvgraft.blobstore.local import LocalBlobStore
 
         return LocalBlobStore(Path(path))
+    if parts.scheme in ("memory", "s3"):
+        _check_prefix(url, parts.path)
     if parts.scheme == "memory":
         from kvgraft.blobstore.memory import MemoryBlobStore
 
@@ -36,3 +38,12 @@ def open_store(url: str) -> BlobStore:
     raise UsageError(
         f"unsupported blob store URL {url!r}", hint="use file:///dir, s3://bucket/prefix or memory://"
     )
+
+
+def _check_prefix(url: str, path: str) -> None:
+    """Object keys are not paths: `a/../b` is a key of its own on one server and `b` on
+    another, so two stores could silently share or miss each other's blobs."""
+    segments = path.strip("/").split("/")
+    if path.strip("/") and any(s in ("", ".", "..") for s in segments):
+        raise UsageError(f"store URL {url!r} has an empty, '.' or '..' segment in its prefix",
+                         hint="write the prefix without them, e.g. s3://bucket/team/kv")

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from securesystemslib.signer import CryptoSigner, SSlibKey
 
+from kvgraft import strictjson
 from kvgraft.errors import Conflict, IntegrityError, NotFound, UsageError
 from kvgraft.fsutil import atomic_writer, read_bounded
 
@@ -102,8 +103,8 @@ class PublicKey:
                 raise UsageError("only Ed25519 public keys are supported")
             return cls.of(key.public_bytes_raw(), name)
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            data = strictjson.loads(raw)
+        except ValueError as e:
             raise UsageError(f"not a public key document (JSON or PEM): {e}") from None
         doc = cls.from_json(data)
         return cls(doc.keyid, doc.public, doc.name or name)

@@ -18,6 +18,7 @@ from securesystemslib import exceptions as sslib_errors
 from securesystemslib.dsse import Envelope
 from securesystemslib.signer import Signer
 
+from kvgraft import strictjson
 from kvgraft.digest import canonical_json
 from kvgraft.errors import IntegrityError
 from kvgraft.provenance.keys import PublicKey
@@ -52,7 +53,7 @@ class OpenedEnvelope:
 
 def parse_envelope(raw: bytes) -> Envelope:
     try:
-        data = json.loads(raw)
+        data = strictjson.loads(raw)
         # from_dict rewrites the signature dicts it is given; keep the caller's intact.
         envelope = Envelope.from_dict(copy.deepcopy(data))
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError,

@@ -8,7 +8,6 @@ exported as they came, checked only as statements.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -16,6 +15,7 @@ from typing import Any
 
 import jsonschema
 
+from kvgraft import strictjson
 from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import IntegrityError
 from kvgraft.identity import ModelIdentity
@@ -93,9 +93,9 @@ class Statement:
     @classmethod
     def parse(cls, raw: bytes) -> Statement:
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise IntegrityError(f"statement is not JSON: {e}") from None
+            data = strictjson.loads(raw)
+        except ValueError as e:
+            raise IntegrityError(f"statement is not JSON kvgraft accepts: {e}") from None
         return cls.from_json(data)
 
 
