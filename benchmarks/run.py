@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each against a baseline measured in the same run.
 
 Rows are printed as they come and written to .bench/results.json.
-    python -m benchmarks.run [--size-mib 1024] [--only core,s3,codec,graft]
+    python -m benchmarks.run [--size-mib 1024] [--only core,s3,s3link,codec,graft]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ WORKDIR = Path(".bench")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
-    parser.add_argument("--only", default="core,s3,codec,graft")
+    parser.add_argument("--only", default="core,s3,s3link,codec,graft")
     args = parser.parse_args()
     wanted = set(args.only.split(","))
     rows: list[dict[str, Any]] = []
@@ -38,6 +38,10 @@ def main() -> None:
         from benchmarks import s3
 
         s3.run(WORKDIR, kv, report)
+    if "s3link" in wanted:
+        from benchmarks import s3link
+
+        s3link.run(WORKDIR.absolute(), kv.absolute(), report)
     if "codec" in wanted:
         from benchmarks import codec
 

@@ -39,6 +39,27 @@ from benchmarks.core import ratio_rows, sha256_file
 BUCKET = "bench"
 PREFIX = "kv"
 BASELINE_KEY = "baseline/blobs.bin"
+RAW_KEY = "baseline/raw.kv"
+
+
+def client_cpu() -> float:
+    """CPU seconds (user + system, every thread) this process has used so far."""
+    t = os.times()
+    return t.user + t.system
+
+
+def server_cpu(pgid: int) -> float:
+    """CPU seconds used so far by the processes of group `pgid` (the S3 server), from
+    /proc/PID/stat (utime + stime)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid:  # fields[0] is the state (field 3 of stat)
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _registry(home: Path, cache: Path, prefix: str) -> Any:
@@ -54,19 +75,20 @@ def kvgraft_push(src: str, home: str, prefix: str) -> dict[str, Any]:
     reg = _registry(Path(home), Path(home) / "cache", prefix)
     reg.catalog  # noqa: B018  (open and migrate the catalog outside the timed region)
     reg.store  # noqa: B018
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), client_cpu()
     result = reg.push(src, "bench/kv:1")
-    return {"seconds": time.perf_counter() - t0, "stored": result.stored_size,
-            "blobs_stored": result.blobs_stored}
+    return {"seconds": time.perf_counter() - t0, "cpu": client_cpu() - c0,
+            "stored": result.stored_size, "blobs_stored": result.blobs_stored}
 
 
 def kvgraft_pull(home: str, cache: str, out: str, prefix: str) -> dict[str, Any]:
     reg = _registry(Path(home), Path(cache), prefix)
     reg.catalog  # noqa: B018
     reg.store  # noqa: B018
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), client_cpu()
     result = reg.pull("bench/kv:1", Path(out))
-    return {"seconds": time.perf_counter() - t0, "fetched": result.stats.fetched}
+    return {"seconds": time.perf_counter() - t0, "cpu": client_cpu() - c0,
+            "fetched": result.stats.fetched}
 
 
 def _client() -> Any:
@@ -78,33 +100,57 @@ def _client() -> Any:
 
 def baseline_push(src: str) -> dict[str, Any]:
     client = _client()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), client_cpu()
     client.upload_file(src, BUCKET, BASELINE_KEY)
-    return {"seconds": time.perf_counter() - t0}
+    return {"seconds": time.perf_counter() - t0, "cpu": client_cpu() - c0}
 
 
 def baseline_pull(out: str) -> dict[str, Any]:
     client = _client()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), client_cpu()
     client.download_file(BUCKET, BASELINE_KEY, out)
-    return {"seconds": time.perf_counter() - t0}
+    return {"seconds": time.perf_counter() - t0, "cpu": client_cpu() - c0}
+
+
+def raw_push(src: str) -> dict[str, Any]:
+    """What a user does without kvgraft: upload the KV file as it is, and record its
+    SHA-256 to check downloads against."""
+    client = _client()
+    t0, c0 = time.perf_counter(), client_cpu()
+    client.upload_file(src, BUCKET, RAW_KEY)
+    sha256_file(Path(src))
+    return {"seconds": time.perf_counter() - t0, "cpu": client_cpu() - c0}
+
+
+def raw_pull(out: str) -> dict[str, Any]:
+    """Download the raw KV file and check its SHA-256."""
+    client = _client()
+    t0, c0 = time.perf_counter(), client_cpu()
+    client.download_file(BUCKET, RAW_KEY, out)
+    sha256_file(Path(out))
+    return {"seconds": time.perf_counter() - t0, "cpu": client_cpu() - c0}
 
 
 CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
     "kvgraft-push": kvgraft_push, "kvgraft-pull": kvgraft_pull,
     "baseline-push": baseline_push, "baseline-pull": baseline_pull,
+    "raw-push": raw_push, "raw-pull": raw_pull,
 }
 
 
-def _child(env: dict[str, str], *argv: str) -> tuple[dict[str, Any], int]:
+def child(env: dict[str, str], server_pgid: int, *argv: str) -> tuple[dict[str, Any], int]:
+    """Run one measurement in its own process; its result gains "server_cpu", the CPU
+    seconds the S3 server used meanwhile (it serves nobody else)."""
     # Each measurement starts with no dirty pages left by the one before: a pull fsyncs its
     # output and would otherwise also wait for an earlier upload's writeback.
     os.sync()
+    before = server_cpu(server_pgid)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.s3", "--child", *argv],
                           stdout=subprocess.PIPE, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child {argv} failed with {proc.returncode}")
     result = json.loads(proc.stdout)
+    result["server_cpu"] = server_cpu(server_pgid) - before
     return result, result.pop("peak_rss")
 
 
@@ -125,9 +171,10 @@ def _concatenate_blobs(client: Any, prefix: str, out: Path) -> int:
 Result = tuple[dict[str, Any], int]
 
 
-def _rounds(rounds: int, ours: Callable[[int], Result], base: Callable[[int], Result],
-            ) -> tuple[dict[str, Any], int, dict[str, Any], int]:
-    """Median seconds and highest peak RSS of each side over `rounds` alternating rounds."""
+def rounds_of(rounds: int, ours: Callable[[int], Result], base: Callable[[int], Result],
+              ) -> tuple[dict[str, Any], int, dict[str, Any], int]:
+    """Median seconds and CPU seconds (client, server) and the highest peak RSS of each side
+    over `rounds` alternating rounds."""
     mine: list[Result] = []
     theirs: list[Result] = []
     for r in range(rounds):
@@ -141,10 +188,26 @@ def _rounds(rounds: int, ours: Callable[[int], Result], base: Callable[[int], Re
     def summary(results: list[Result]) -> tuple[dict[str, Any], int]:
         seconds = [res["seconds"] for res, _ in results]
         return ({"seconds": statistics.median(seconds),
-                 "rounds": [round(x, 3) for x in seconds]},
+                 "rounds": [round(x, 3) for x in seconds],
+                 "cpu": statistics.median(res["cpu"] for res, _ in results),
+                 "server_cpu": statistics.median(res["server_cpu"] for res, _ in results)},
                 max(rss for _, rss in results))
 
     return (*summary(mine), *summary(theirs))
+
+
+def cpu_columns(rows: list[dict[str, Any]], size: int,
+                measured: dict[str, tuple[dict[str, Any], int, dict[str, Any], int]],
+                ) -> list[dict[str, Any]]:
+    """Add CPU seconds per GB of KV file, client and server, of each side to each row."""
+    gb = size / 1e9
+    for row, (ours, _, base, _) in zip(rows, measured.values(), strict=True):
+        row.update({
+            "kvgraft_client_cpu_s_per_GB": round(ours["cpu"] / gb, 2),
+            "baseline_client_cpu_s_per_GB": round(base["cpu"] / gb, 2),
+            "kvgraft_server_cpu_s_per_GB": round(ours["server_cpu"] / gb, 2),
+            "baseline_server_cpu_s_per_GB": round(base["server_cpu"] / gb, 2)})
+    return rows
 
 
 def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None],
@@ -161,9 +224,11 @@ def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None],
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("KVGRAFT_", "AWS_"))} | server.env
         home = [scratch / f"home{r}" for r in range(rounds)]
+        assert server.process is not None
+        pgid = server.process.pid  # weed runs in a process group of its own
 
         def our_push(r: int) -> Result:
-            result = _child(env, "kvgraft-push", str(kv_file), str(home[r]), f"{PREFIX}{r}")
+            result = child(env, pgid, "kvgraft-push", str(kv_file), str(home[r]), f"{PREFIX}{r}")
             if result[0]["blobs_stored"] == 0:
                 raise RuntimeError("a benchmark push round stored nothing: not measured")
             if r == 0:  # the baseline moves these bytes
@@ -174,26 +239,27 @@ def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None],
             cache = scratch / "cache"
             shutil.rmtree(cache, ignore_errors=True)
             pulled.unlink(missing_ok=True)
-            return _child(env, "kvgraft-pull", str(home[0]), str(cache), str(pulled),
+            return child(env, pgid, "kvgraft-pull", str(home[0]), str(cache), str(pulled),
                           f"{PREFIX}0")
 
         def base_pull(r: int) -> Result:
             out = scratch / "blobs.out"
             out.unlink(missing_ok=True)
-            return _child(env, "baseline-pull", str(out))
+            return child(env, pgid, "baseline-pull", str(out))
 
-        push = _rounds(rounds, our_push, lambda r: _child(env, "baseline-push", str(blobs)))
-        pull = _rounds(rounds, our_pull, base_pull)
+        push = rounds_of(rounds, our_push, lambda r: child(env, pgid, "baseline-push", str(blobs)))
+        pull = rounds_of(rounds, our_pull, base_pull)
     finally:
         server.stop()
     if sha256_file(kv_file) != sha256_file(pulled):
         raise RuntimeError("the KV file pulled through S3 differs from the pushed one")
     size, stored = kv_file.stat().st_size, blobs.stat().st_size
-    for row in ratio_rows("s3", size, {"push": push, "pull": pull},
+    measured = {"push": push, "pull": pull}
+    for row in cpu_columns(ratio_rows("s3", size, measured,
                           {"stored_MB": round(stored / 1e6, 1),
                            "compression": round(size / stored, 3), "rounds": rounds,
                            "baseline": "boto3 upload_file/download_file of the stored "
-                                       "blobs as one file"}):
+                                       "blobs as one file"}), size, measured):
         report(row)
     shutil.rmtree(scratch, ignore_errors=True)
 

@@ -57,7 +57,10 @@ def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return url
 
 
-STORE_KINDS = ["local", "memory", "s3"]
+# "s3" is SeaweedFS, "ceph" Ceph's RADOS Gateway: two real S3 servers that differ where S3
+# servers do (checksum headers, ETags, conditional writes).
+STORE_KINDS = ["local", "memory", "s3", "ceph"]
+S3_KINDS = {"s3": "s3_store_url", "ceph": "ceph_store_url"}
 
 
 @pytest.fixture(params=STORE_KINDS)
@@ -67,8 +70,33 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return (tmp_path / "blobs").as_uri()
     if kind == "memory":
         return f"memory://{uuid.uuid4().hex}"
-    url: str = request.getfixturevalue("s3_store_url")
+    url: str = request.getfixturevalue(S3_KINDS[kind])
     return url
+
+
+@pytest.fixture(params=list(S3_KINDS))
+def any_s3_store_url(request: pytest.FixtureRequest) -> str:
+    """A fresh prefix on each real S3 server in turn."""
+    url: str = request.getfixturevalue(S3_KINDS[request.param])
+    return url
+
+
+@pytest.fixture
+def ceph_store_url(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh prefix in a bucket of Ceph RGW on loopback, started once per session (about
+    14 s); the AWS_* variables point at it for the test (and the processes it starts)."""
+    from tests.services import TEST_BUCKET, ensure_ceph
+
+    server = ensure_ceph()
+    if server is None:
+        unavailable("Ceph RGW on loopback (Debian packages ceph-mon ceph-osd radosgw)")
+    assert server is not None
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    for name in ("KVGRAFT_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL", "AWS_PROFILE",
+                 "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    return f"s3://{TEST_BUCKET}/{uuid.uuid4().hex}"
 
 
 @pytest.fixture

@@ -92,6 +92,8 @@ class S3Server:
     secret_key: str
     process: subprocess.Popen[bytes] | None = None
     root: Path | None = None
+    # Further daemons behind the endpoint (Ceph's monitor and OSD), stopped after `process`.
+    daemons: tuple[subprocess.Popen[bytes], ...] = ()
 
     @property
     def env(self) -> dict[str, str]:
@@ -120,15 +122,16 @@ class S3Server:
     def stop(self, grace: float = 1.0) -> None:
         """Stop the server. weed can take ~30 s to shut its volumes down cleanly; the data
         is scratch, so it gets a short grace period and is then killed."""
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(grace)
-            except subprocess.TimeoutExpired:
+        for proc in (self.process, *self.daemons):
+            if proc is not None and proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(10)
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -202,3 +205,153 @@ def ensure_s3() -> str | None:
                  "AWS_SESSION_TOKEN"):
         os.environ.pop(name, None)
     return f"s3://{TEST_BUCKET}"
+
+
+CEPH_PACKAGES = ("ceph-mon", "ceph-osd", "radosgw")
+
+
+def ceph_binaries() -> bool:
+    """Whether the Debian packages ceph-mon, ceph-osd and radosgw are installed."""
+    return all(shutil.which(b) for b in ("monmaptool", "ceph-mon", "ceph-osd", "radosgw",
+                                         "radosgw-admin", "ceph"))
+
+
+def _ceph_conf(root: Path, fsid: str, mon: str, rgw_port: int, host: str) -> str:
+    # One monitor, one OSD on memstore (RAM: the data is scratch), one gateway; no auth,
+    # so no keyrings. Pool size one and the checks that would warn about it off.
+    return f"""[global]
+fsid = {fsid}
+mon initial members = a
+mon host = {mon}
+public addr = 127.0.0.1
+cluster addr = 127.0.0.1
+ms bind ipv6 = false
+auth cluster required = none
+auth service required = none
+auth client required = none
+keyring = /dev/null
+run dir = {root}/run
+admin socket = {root}/run/$cluster-$name.asok
+log file = {root}/log/$name.log
+osd pool default size = 1
+osd pool default min size = 1
+osd pool default pg num = 8
+osd pool default pgp num = 8
+osd crush chooseleaf type = 0
+mon allow pool size one = true
+mon warn on pool no redundancy = false
+mon data avail warn = 1
+mon data avail crit = 0
+mon max pg per osd = 1000
+mon warn on insecure global id reclaim allowed = false
+
+[mon.a]
+mon data = {root}/mon
+
+[osd.0]
+osd data = {root}/osd
+osd objectstore = memstore
+memstore device bytes = {2 << 30}
+osd memory target = 1073741824
+osd class load list = *
+osd class default list = *
+
+[client.rgw.{host}]
+rgw frontends = beast endpoint=127.0.0.1:{rgw_port}
+rgw data = {root}/rgw
+rgw thread pool size = 64
+# radosgw asks for "secure" monitor connections by default, which needs auth.
+ms mon client mode = crc
+"""
+
+
+def start_ceph(root: Path | None = None, *, timeout: float = 120.0) -> S3Server:
+    """Start a single-node Ceph (one monitor, one memstore OSD, the RADOS Gateway) on free
+    loopback ports, with an S3 user of fresh credentials; about 14 s. Data under `root`
+    (a new temp dir by default, removed on stop). Raises RuntimeError when the packages are
+    missing or a daemon does not come up."""
+    if not ceph_binaries():
+        raise RuntimeError(f"Ceph is not installed (apt-get install {' '.join(CEPH_PACKAGES)})")
+    root = Path(tempfile.mkdtemp(prefix="kvgraft-ceph-")) if root is None else root
+    for sub in ("mon", "osd", "rgw", "log", "run"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    fsid = subprocess.run(["cat", "/proc/sys/kernel/random/uuid"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    mon_v2, mon_v1, rgw_port = free_ports(3)
+    mon = f"[v2:127.0.0.1:{mon_v2},v1:127.0.0.1:{mon_v1}]"
+    host = socket.gethostname().split(".")[0]
+    conf = root / "ceph.conf"
+    conf.write_text(_ceph_conf(root, fsid, mon, rgw_port, host))
+    env = {**os.environ, "CEPH_CONF": str(conf)}
+    deadline = time.monotonic() + timeout
+    daemons: list[subprocess.Popen[bytes]] = []
+    access, secret = f"kvgraft{secrets.token_hex(6)}", secrets.token_hex(20)
+    server = S3Server(f"http://127.0.0.1:{rgw_port}", access, secret, None, root)
+
+    def run(*argv: str) -> str:
+        r = subprocess.run(argv, env=env, capture_output=True, text=True,
+                           timeout=max(deadline - time.monotonic(), 1), check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed: {r.stderr[-2000:]}")
+        return r.stdout
+
+    def daemon(name: str, *argv: str) -> subprocess.Popen[bytes]:
+        with open(root / "log" / f"{name}.stdout", "wb") as log:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        daemons.insert(0, proc)  # stopped in reverse order of start
+        return proc
+
+    def wait(what: str, proc: subprocess.Popen[bytes], ready: Any) -> None:
+        while not ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                logs = "".join(p.read_text(errors="replace")[-1500:]
+                               for p in sorted((root / "log").glob("*")))
+                raise RuntimeError(f"Ceph {what} did not come up:\n{logs}")
+            time.sleep(0.25)
+
+    def ceph_ok(*argv: str, expect: str = "") -> bool:
+        r = subprocess.run(["ceph", "--connect-timeout", "2", *argv], env=env,
+                           capture_output=True, text=True, timeout=10, check=False)
+        return r.returncode == 0 and expect in r.stdout
+
+    try:
+        run("monmaptool", "--create", "--fsid", fsid, "--addv", "a", mon, str(root / "monmap"))
+        run("ceph-mon", "--id", "a", "--mkfs", "--monmap", str(root / "monmap"),
+            "--keyring", "/dev/null")
+        wait("monitor", daemon("mon", "ceph-mon", "--id", "a", "-f"),
+             lambda: ceph_ok("mon", "stat"))
+        osd_uuid = subprocess.run(["cat", "/proc/sys/kernel/random/uuid"], capture_output=True,
+                                  text=True, check=True).stdout.strip()
+        if run("ceph", "osd", "new", osd_uuid).strip() != "0":
+            raise RuntimeError("Ceph did not give the first OSD id 0")
+        run("ceph-osd", "--id", "0", "--mkfs", "--osd-uuid", osd_uuid,
+            "--osd-objectstore", "memstore")
+        wait("OSD", daemon("osd", "ceph-osd", "--id", "0", "-f"),
+             lambda: ceph_ok("osd", "stat", expect="1 up"))
+        rgw = daemon("rgw", "radosgw", "-n", f"client.rgw.{host}", "-f")
+        wait("RADOS Gateway", rgw, lambda: _answers(server.endpoint))
+        run("radosgw-admin", "user", "create", "--uid=kvgraft", "--display-name=kvgraft tests",
+            f"--access-key={access}", f"--secret-key={secret}")
+    except BaseException:
+        S3Server(server.endpoint, access, secret, None, root, tuple(daemons)).stop(grace=0)
+        raise
+    return S3Server(server.endpoint, access, secret, None, root, tuple(daemons))
+
+
+@cache
+def ensure_ceph() -> S3Server | None:
+    """A Ceph RGW on loopback with the test bucket, started on first use, stopped at exit."""
+    try:
+        server = start_ceph()
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        print(f"Ceph RGW for the tests: {e}", file=sys.stderr)
+        return None
+    atexit.register(server.stop, 5.0)
+    try:
+        server.create_bucket(TEST_BUCKET)
+    except Exception as e:  # whatever the cause, the tests get no Ceph from here
+        print(f"Ceph RGW for the tests: cannot create bucket {TEST_BUCKET}: {e}",
+              file=sys.stderr)
+        return None
+    return server

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.codec import MAGIC, parse_frame
 from kvgraft.digest import Digest
-from kvgraft.errors import IntegrityError, NotFound, UsageError
+from kvgraft.errors import NotFound, UsageError
 from kvgraft.manifest import Manifest
 from kvgraft.push import PushOptions
 from kvgraft.sample import write_synthetic
@@ -108,33 +108,8 @@ def test_stored_blob_names_its_codec(make_registry: RegistryFactory, tmp_path: P
     assert all(c["codec"] == "zstd-bytegroup" and c["stored_size"] < c["size"] for c in chunks)
 
 
-def test_corrupt_stored_blob_is_detected_and_named(make_registry: RegistryFactory,
-                                                   tmp_path: Path) -> None:
-    reg = make_registry()
-    digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=600), "t/a").digest
-    victim = reg.manifest(digest).chunks[1].digest
-    path = tmp_path / "home" / "blobs" / "sha256" / victim.hex[:2] / victim.hex[2:]
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-    reports = reg.verify("t/a")
-    assert [b.digest for b in reports[0].bad] == [victim]
-    fresh = make_registry(cache_dir=tmp_path / "other-cache")
-    with pytest.raises(IntegrityError, match=victim.hex) as e:
-        fresh.pull("t/a", tmp_path / "out.kv")
-    assert e.value.exit_code == 4
-    assert not (tmp_path / "out.kv").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.kv")]
 
 
-def test_missing_blob_is_reported(make_registry: RegistryFactory, tmp_path: Path) -> None:
-    reg = make_registry()
-    digest = reg.push(write_synthetic(tmp_path / "a.kv"), "t/a").digest
-    victim = reg.manifest(digest).chunks[0].digest
-    reg.store.delete(victim)
-    assert "missing" in reg.verify("t/a")[0].bad[0].reason
-    with pytest.raises(NotFound):
-        make_registry(cache_dir=tmp_path / "c2").pull("t/a", tmp_path / "o.kv")
 
 
 def test_second_pull_transfers_nothing(make_registry: RegistryFactory, tmp_path: Path) -> None:
@@ -226,37 +201,8 @@ def test_push_that_dies_half_way_leaves_no_catalog_row(make_registry: RegistryFa
     assert all(r.ok for r in reg.verify("t/a"))
 
 
-def test_decompression_bomb_is_refused(make_registry: RegistryFactory, tmp_path: Path) -> None:
-    import zstandard
-
-    from kvgraft.codec import FRAME_VERSION
-
-    reg = make_registry()
-    digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=300), "t/a").digest
-    victim = reg.manifest(digest).chunks[0]
-    bomb_body = zstandard.ZstdCompressor().compress(bytes(victim.size * 1000))
-    for declared in (victim.size * 1000, victim.size):
-        bomb = MAGIC + bytes([FRAME_VERSION, 4]) + b"zstd" + declared.to_bytes(8, "little")
-        path = tmp_path / "home" / "blobs" / "sha256" / victim.digest.hex[:2] / \
-            victim.digest.hex[2:]
-        path.write_bytes(bomb + bomb_body)
-        with pytest.raises(IntegrityError, match="bytes, expected"):
-            make_registry(cache_dir=tmp_path / f"c{declared}").pull("t/a", tmp_path / "o.kv")
 
 
-def test_unknown_codec_in_store_is_refused(make_registry: RegistryFactory,
-                                           tmp_path: Path) -> None:
-    from kvgraft.codec import FRAME_VERSION
-
-    reg = make_registry()
-    digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=300), "t/a").digest
-    victim = reg.manifest(digest).chunks[0]
-    path = tmp_path / "home" / "blobs" / "sha256" / victim.digest.hex[:2] / victim.digest.hex[2:]
-    path.write_bytes(MAGIC + bytes([FRAME_VERSION, 5]) + b"lzma9" +
-                     victim.size.to_bytes(8, "little") + b"...")
-    with pytest.raises(IntegrityError, match="unknown codec 'lzma9'"):
-        make_registry(cache_dir=tmp_path / "c").pull("t/a", tmp_path / "o.kv")
-    assert "unknown codec" in reg.verify("t/a")[0].bad[0].reason
 
 
 def test_parent_must_exist_and_is_recorded(make_registry: RegistryFactory,

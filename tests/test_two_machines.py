@@ -4,6 +4,7 @@ kvgraft in its own process."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +14,14 @@ from kvgraft.sample import write_synthetic
 CLI = "from kvgraft.cli.main import main; main()"
 
 
-def test_push_on_a_pull_on_b(cli_env: dict[str, str], postgres_url: str, s3_store_url: str,
-                             tmp_path: Path) -> None:
+def test_push_on_a_pull_on_b(cli_env: dict[str, str], postgres_url: str,
+                             any_s3_store_url: str, tmp_path: Path) -> None:
+    s3_store_url = any_s3_store_url
+    # The S3 fixture points AWS_* at its server after cli_env was taken.
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+
     def machine(name: str) -> dict[str, str]:
-        return {**cli_env, "KVGRAFT_HOME": str(tmp_path / name / "home"),
+        return {**cli_env, **aws, "KVGRAFT_HOME": str(tmp_path / name / "home"),
                 "KVGRAFT_CACHE": str(tmp_path / name / "cache"),
                 "KVGRAFT_CATALOG_URL": postgres_url, "KVGRAFT_BLOB_URL": s3_store_url}
 

@@ -1,0 +1,154 @@
+"""Push and pull through S3 over a link shaped like a real one, next to what a user would
+otherwise do: boto3 `upload_file` / `download_file` (default TransferConfig) of the raw KV
+file plus a SHA-256 of it (to record, or to check what arrived).
+
+SeaweedFS and every client run in a network namespace of their own, where the traffic to and
+from the S3 port only is shaped to `rate` (htb + u32 on the namespace's loopback): a limit
+on all of loopback would also charge SeaweedFS's own hops between its gateway, filer and
+volume server, counting each byte two or three times. Needs root and iproute2 (`ip netns`,
+`tc`); without them the row says why it was skipped. Rounds alternate which side goes first;
+rows give medians (every round's seconds too), and CPU seconds per GB of KV file, client and
+server (benchmarks.s3).
+
+    python -m benchmarks.s3link [--size-mib 1024] [--rate 1gbit] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.core import ratio_rows, sha256_file
+from benchmarks.s3 import BUCKET, PREFIX, Result, child, cpu_columns, rounds_of
+
+
+def shape(port: int, rate: str) -> None:
+    """Limit traffic to and from `port` on this namespace's loopback to `rate`; the rest
+    of loopback stays fast."""
+    tc = ["tc", "-s"]
+    steps = [
+        ["qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "20",
+         "r2q", "1000"],
+        ["class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate", rate,
+         "ceil", rate, "burst", "1mb", "cburst", "1mb"],
+        ["class", "add", "dev", "lo", "parent", "1:", "classid", "1:20", "htb", "rate",
+         "100gbit", "ceil", "100gbit"],
+        *(["filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "u32", "match",
+           "ip", direction, str(port), "0xffff", "flowid", "1:10"]
+          for direction in ("dport", "sport")),
+    ]
+    for step in steps:
+        subprocess.run([*tc, *step], check=True, capture_output=True)
+
+
+def inside(workdir: Path, kv_file: Path, rate: str, rounds: int,
+           report: Callable[[dict[str, Any]], None]) -> None:
+    """The measurement, run inside the namespace."""
+    from tests.services import start_seaweedfs
+
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    scratch = workdir / "s3link"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    server = start_seaweedfs(scratch / "server")
+    pulled, raw_out = scratch / "pulled.kv", scratch / "raw.out"
+    stored = 0
+    try:
+        assert server.process is not None
+        pgid = server.process.pid
+        shape(int(server.endpoint.rsplit(":", 1)[1]), rate)
+        server.create_bucket(BUCKET)
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("KVGRAFT_", "AWS_"))} | server.env
+        home = [scratch / f"home{r}" for r in range(rounds)]
+
+        def our_push(r: int) -> Result:
+            nonlocal stored
+            result = child(env, pgid, "kvgraft-push", str(kv_file), str(home[r]),
+                           f"{PREFIX}{r}")
+            if result[0]["blobs_stored"] == 0:
+                raise RuntimeError("a benchmark push round stored nothing: not measured")
+            stored = result[0]["stored"]
+            return result
+
+        def our_pull(r: int) -> Result:
+            cache = scratch / "cache"
+            shutil.rmtree(cache, ignore_errors=True)
+            pulled.unlink(missing_ok=True)
+            return child(env, pgid, "kvgraft-pull", str(home[0]), str(cache), str(pulled),
+                         f"{PREFIX}0")
+
+        def raw_pull(r: int) -> Result:
+            raw_out.unlink(missing_ok=True)
+            return child(env, pgid, "raw-pull", str(raw_out))
+
+        push = rounds_of(rounds, our_push, lambda r: child(env, pgid, "raw-push", str(kv_file)))
+        pull = rounds_of(rounds, our_pull, raw_pull)
+    finally:
+        server.stop()
+    if sha256_file(kv_file) != sha256_file(pulled):
+        raise RuntimeError("the KV file pulled through S3 differs from the pushed one")
+    size = kv_file.stat().st_size
+    measured = {"push": push, "pull": pull}
+    for row in cpu_columns(ratio_rows(f"s3 {rate} link", size, measured, {
+            "link": f"{rate} on the S3 port only", "stored_MB": round(stored / 1e6, 1),
+            "compression": round(size / stored, 3), "rounds": rounds,
+            "baseline": "boto3 upload_file/download_file of the raw KV file + SHA-256"}),
+            size, measured):
+        report(row)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None],
+        rate: str = "1gbit", rounds: int = 3) -> None:
+    name = f"kvgraft-bench-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True,
+                          check=False) if shutil.which("ip") else None
+    if made is None or made.returncode != 0:
+        why = "no `ip` command" if made is None else made.stderr.strip()
+        report({"bench": f"s3 {rate} link", "skipped": f"cannot make a network namespace "
+                                                     f"(needs root and iproute2): {why}"})
+        return
+    try:
+        proc = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-m",
+                               "benchmarks.s3link", "--inside", str(workdir), str(kv_file),
+                               rate, str(rounds)], stdout=subprocess.PIPE, text=True,
+                              check=False)
+        for line in proc.stdout.splitlines():
+            report(json.loads(line))
+        if proc.returncode != 0:
+            raise RuntimeError(f"the shaped-link benchmark failed with {proc.returncode}")
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def main() -> None:
+    def emit(row: dict[str, Any]) -> None:
+        print(json.dumps(row), flush=True)
+
+    if len(sys.argv) == 6 and sys.argv[1] == "--inside":
+        inside(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]), emit)
+        return
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--workdir", type=Path, default=Path(".bench"))
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    from benchmarks.core import kv_file
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    run(args.workdir.absolute(), kv_file(args.workdir, args.size_mib).absolute(), emit,
+        args.rate, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
