@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from kvgraft import __version__
-from kvgraft.cli import audit, graft, manage
+from kvgraft.cli import audit, graft, manage, server
 from kvgraft.cli.errors import run_guarded
 from kvgraft.cli.output import emit_json, emit_table, err, human_bytes, progress_bar
 from kvgraft.client import Registry
@@ -270,6 +270,6 @@ def main() -> None:
     cli(prog_name="kvgraft")
 
 
-for _module in (manage, graft, audit):
+for _module in (manage, graft, audit, server):
     for _command in _module.COMMANDS:
         cli.add_command(_command)
