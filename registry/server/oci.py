@@ -57,6 +57,8 @@ async def dispatch(request: Request) -> Response:
                            f"no such endpoint: {request.url.path[:200]}")
         name = _name(m.group("name"))
         action = _ACTIONS.get(request.method)
+        if action == "delete" and m.group("upload") is not None:
+            action = "push"  # cancelling one's own upload deletes nothing stored
         if action is None:
             raise OciError(405, "UNSUPPORTED", f"method {request.method} is not supported")
         principal = await run_in_threadpool(ctx.authenticate, request)
