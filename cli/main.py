@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from kvgraft import __version__
-from kvgraft.cli import audit, graft, manage
+from kvgraft.cli import audit, graft, manage, server
 from kvgraft.cli.common import current_registry, json_option, parse_labels, policy_options
 from kvgraft.cli.errors import run_guarded
 from kvgraft.cli.output import echo, emit_json, emit_table, err, human_bytes, progress_bar
@@ -264,6 +264,6 @@ def main() -> None:
     cli(prog_name="kvgraft")
 
 
-for _module in (manage, graft, audit):
+for _module in (manage, graft, audit, server):
     for _command in _module.COMMANDS:
         cli.add_command(_command)

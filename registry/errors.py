@@ -66,6 +66,13 @@ class CatalogOutdated(Unavailable):
     """The catalog schema is older (or newer) than this kvgraft."""
 
 
+class AuthRefused(RegistryError, PermissionError):
+    """A server refused the credentials (missing, unknown, expired, revoked) or the action
+    they were used for."""
+
+    exit_code = 8
+
+
 class MissingExtra(RegistryError, ImportError):
     """An optional backend whose dependencies are not installed."""
 

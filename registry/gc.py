@@ -52,6 +52,7 @@ from typing import Any
 
 from kvgraft.blobstore.base import BlobInfo, BlobStore
 from kvgraft.catalog import BlobRecord, Catalog, EventRecord
+from kvgraft.catalog.oci import OciTables
 from kvgraft.digest import Digest
 from kvgraft.errors import Conflict, IntegrityError, NotFound, RegistryError, UsageError
 from kvgraft.manifest import Manifest
@@ -125,6 +126,8 @@ def plan(catalog: Catalog, store: BlobStore, *, grace: float = DEFAULT_GRACE,
     if doomed and unknown:
         _refuse(unknown)
     referenced = {b for d in keep for b in by_digest[d].blobs}
+    # Blobs OCI clients pushed through `kvgraft serve` are kept while a repository links them.
+    referenced |= OciTables(catalog).linked_blobs()
     blob_cutoff = (now - timedelta(seconds=grace)).timestamp()
     sweep, young = [], 0
     for info in store.iter():

@@ -10,6 +10,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -164,3 +165,58 @@ class BlobDeletionRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     digest: Mapped[str] = mapped_column(DIGEST, index=True)
     deleted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class TokenRow(Base):
+    """An API token of `kvgraft serve`: only the SHA-256 of its secret is stored."""
+
+    __tablename__ = "tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    secret_hash: Mapped[str] = mapped_column(DIGEST, unique=True)
+    scopes: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    created_by: Mapped[str] = mapped_column(String(255))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class OciBlobLinkRow(Base):
+    """A blob an OCI client pushed (or mounted) into a repository; bytes in the store."""
+
+    __tablename__ = "oci_blob_links"
+    repository: Mapped[str] = mapped_column(NAME, primary_key=True)
+    digest: Mapped[str] = mapped_column(DIGEST, primary_key=True, index=True)
+    size: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class OciManifestRow(Base):
+    """An OCI manifest (not a graft) as pushed: `content` is its exact bytes, `blobs` the
+    JSON list of blob digests it references (what gc keeps)."""
+
+    __tablename__ = "oci_manifests"
+    repository: Mapped[str] = mapped_column(NAME, primary_key=True)
+    digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    media_type: Mapped[str] = mapped_column(String(255))
+    artifact_type: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    subject: Mapped[str | None] = mapped_column(DIGEST, nullable=True, index=True)
+    content: Mapped[bytes] = mapped_column(LargeBinary)
+    blobs: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class OciTagRow(Base):
+    __tablename__ = "oci_tags"
+    repository: Mapped[str] = mapped_column(NAME, primary_key=True)
+    tag: Mapped[str] = mapped_column(String(128), primary_key=True)
+    digest: Mapped[str] = mapped_column(DIGEST)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class GraftOciManifestRow(Base):
+    """Which graft an OCI manifest digest renders (the server renders them on demand)."""
+
+    __tablename__ = "graft_oci_manifests"
+    oci_digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    artifact_digest: Mapped[str] = mapped_column(DIGEST)

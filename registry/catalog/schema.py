@@ -16,7 +16,7 @@ from kvgraft.resources import migrations_dir
 if TYPE_CHECKING:
     from alembic.config import Config
 
-HEAD = "0003"
+HEAD = "0004"
 VERSION_TABLE = "alembic_version"
 
 

@@ -1,0 +1,117 @@
+"""`kvgraft serve` and `kvgraft token`: the HTTP server and its API tokens."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+
+from kvgraft.catalog.tokens import TokenTable
+from kvgraft.cli.output import emit_json, emit_table, err
+from kvgraft.client import Registry
+from kvgraft.server.settings import ServerSettings
+from kvgraft.tokens import new_secret, parse_duration, parse_scopes, secret_hash
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+def _registry(ctx: click.Context) -> Registry:
+    reg: Registry = ctx.find_object(Registry)  # type: ignore[assignment]
+    return reg
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=5000, show_default=True)
+@click.option("--workers", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--certfile", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="TLS certificate (PEM); with --keyfile, serve HTTPS.")
+@click.option("--keyfile", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="TLS private key (PEM).")
+@click.option("--public", "public", multiple=True, metavar="PATTERN",
+              help="Repositories anyone may pull without a token (repeatable, e.g. 'demo/*').")
+@click.option("--max-upload", "max_upload", type=click.IntRange(1), default=8 << 30,
+              show_default=True, help="Largest blob accepted, in bytes.")
+@click.option("--max-open-uploads", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--upload-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="Where open uploads live (default $KVGRAFT_HOME/uploads).")
+@click.pass_context
+def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path | None,
+          keyfile: Path | None, public: tuple[str, ...], max_upload: int,
+          max_open_uploads: int, upload_dir: Path | None) -> None:
+    """Serve the catalog and store over HTTP: the OCI distribution API and /kvgraft/v1."""
+    from kvgraft.errors import UsageError
+    from kvgraft.server.main import serve as run
+
+    if (certfile is None) != (keyfile is None):
+        raise UsageError("--certfile and --keyfile go together")
+    config = _registry(ctx).config
+    settings = ServerSettings(upload_dir=(upload_dir or config.home / "uploads").absolute(),
+                              public=public, max_upload_bytes=max_upload,
+                              max_open_uploads=max_open_uploads)
+    run(config, settings, host=host, port=port, workers=workers, certfile=certfile,
+        keyfile=keyfile)
+
+
+@click.group()
+def token() -> None:
+    """API tokens for `kvgraft serve` (the catalog keeps only their hash)."""
+
+
+@token.command("create")
+@click.option("--scope", "scopes", multiple=True, required=True,
+              help="repository:<pattern>:<actions>, e.g. 'repository:team/*:pull,push'.")
+@click.option("--name", help="Default: token-<n>.")
+@click.option("--expires", help="Lifetime: 30d, 12h, 2w… (default: never).")
+@json_option
+@click.pass_context
+def token_create(ctx: click.Context, scopes: tuple[str, ...], name: str | None,
+                 expires: str | None, as_json: bool) -> None:
+    """Create a token and print its secret, once."""
+    reg = _registry(ctx)
+    parsed = parse_scopes(scopes)
+    table = TokenTable(reg.catalog)
+    expires_at = datetime.now(UTC) + parse_duration(expires) if expires else None
+    name = name or f"token-{len(table.list()) + 1}"
+    secret = new_secret()
+    tok = table.create(name, secret_hash(secret), parsed, f"{reg.user}@{reg.host}", expires_at)
+    reg.catalog.add_event(reg._event("token-create", detail={
+        "token": name, "scopes": [str(s) for s in parsed],
+        "expires_at": expires_at.isoformat() if expires_at else None}))
+    if as_json:
+        emit_json({**tok.to_json(datetime.now(UTC)), "secret": secret})
+        return
+    click.echo(secret)
+    err(f"token {name!r} created; it is shown only now")
+
+
+@token.command("ls")
+@json_option
+@click.pass_context
+def token_ls(ctx: click.Context, as_json: bool) -> None:
+    """List tokens (never their secrets)."""
+    now = datetime.now(UTC)
+    tokens = TokenTable(_registry(ctx).catalog).list()
+    if as_json:
+        for t in tokens:
+            emit_json(t.to_json(now))
+        return
+    emit_table(["NAME", "STATE", "SCOPES", "EXPIRES", "CREATED BY"],
+               [[t.name, t.state(now), " ".join(str(s) for s in t.scopes),
+                 t.expires_at.isoformat(timespec="seconds") if t.expires_at else "never",
+                 t.created_by] for t in tokens])
+
+
+@token.command("revoke")
+@click.argument("name")
+@click.pass_context
+def token_revoke(ctx: click.Context, name: str) -> None:
+    """Revoke a token: the server refuses it from its next request on."""
+    reg = _registry(ctx)
+    TokenTable(reg.catalog).revoke(name)
+    reg.catalog.add_event(reg._event("token-revoke", detail={"token": name}))
+    err(f"token {name!r} revoked")
+
+
+COMMANDS = [serve, token]

@@ -1,0 +1,92 @@
+"""The ASGI application: routes, and one Registry per worker process.
+
+Starlette (with uvicorn to serve it) because it is small, plain ASGI, and streams request
+and response bodies without buffering them: blobs pass through as they come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import UTC, datetime
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from kvgraft.client import Registry
+from kvgraft.errors import RegistryError
+from kvgraft.server import auth, kvapi, oci
+from kvgraft.server.context import Context
+from kvgraft.server.errors import OciError
+from kvgraft.server.settings import ServerSettings
+
+API_VERSION = "registry/2.0"
+
+
+async def base(request: Request) -> Response:
+    """`GET /v2/`: 200 for a caller with a valid token, else a 401 challenge."""
+    ctx: Context = request.app.state.ctx
+    try:
+        principal = await run_in_threadpool(ctx.authenticate, request)
+        if principal.token is None:
+            raise ctx.refuse(request, principal, None, "pull")
+    except OciError as e:
+        e.headers["Docker-Distribution-API-Version"] = API_VERSION
+        return e.response()
+    return JSONResponse({}, headers={"Docker-Distribution-API-Version": API_VERSION})
+
+
+async def token_endpoint(request: Request) -> Response:
+    """The Distribution token flow: Basic credentials (the password is a kvgraft token) in,
+    a bearer token out. The bearer token is the presented token itself, so nothing is issued
+    that could outlive a revocation; without credentials it is the anonymous token."""
+    ctx: Context = request.app.state.ctx
+    try:
+        principal = await run_in_threadpool(ctx.authenticate, request)
+    except OciError as e:
+        return e.response()
+    secret = auth.presented_secret(request) if principal.token else auth.ANONYMOUS
+    now = datetime.now(UTC)
+    expires = principal.token.expires_at if principal.token else None
+    ttl = int((expires - now).total_seconds()) if expires else 3600
+    return JSONResponse({"token": secret, "access_token": secret,
+                         "expires_in": max(ttl, 1), "issued_at": now.isoformat()},
+                        headers={"Cache-Control": "no-store"})
+
+
+def create_app(registry_factory: Callable[[], Registry], settings: ServerSettings, *,
+               extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+    """The application. `registry_factory` runs once per worker, at start-up; routes in
+    `extra_routes` (the web pages, for one) are mounted after the APIs and see the same
+    `request.app.state.ctx`."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        registry = await run_in_threadpool(registry_factory)
+        app.state.ctx = Context(registry, settings)
+        await run_in_threadpool(lambda: app.state.ctx.oci)  # catalog opened and checked
+        try:
+            yield
+        finally:
+            registry.close()
+
+    async def on_registry_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RegistryError)
+        ctx: Context = request.app.state.ctx
+        return ctx.registry_error(request, exc).response()
+
+    routes: list[BaseRoute] = [
+        Route("/v2/", base, methods=["GET", "HEAD"]),
+        Route("/v2/token", token_endpoint, methods=["GET", "POST"], name="token_endpoint"),
+        Route("/v2/{rest:path}", oci.dispatch,
+              methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]),
+        *kvapi.routes(),
+        *extra_routes,
+    ]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={RegistryError: on_registry_error})
+
+

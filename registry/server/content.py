@@ -1,0 +1,119 @@
+"""Blob bytes as OCI clients see them. Graft blobs are stored encoded (keyed by their
+decoded digest): they are decoded and checked before a byte is sent. Blobs OCI clients push
+are stored in the same store in the raw frame and streamed, hashed on the way; a stored
+blob that does not hash to its name aborts the response instead of completing it."""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from kvgraft.blobstore import BlobStore
+from kvgraft.codec import MAGIC, decode_blob, frame, get_codec
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError, NotFound
+
+EMPTY_JSON = b"{}"  # the OCI empty descriptor's content
+EMPTY_DIGEST = "sha256:" + hashlib.sha256(EMPTY_JSON).hexdigest()
+PIECE = 1 << 20
+_SIZE = struct.Struct("<Q")
+
+
+def file_digest(path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while piece := f.read(PIECE):
+            h.update(piece)
+            size += len(piece)
+    return "sha256:" + h.hexdigest(), size
+
+
+def store_file(store: BlobStore, digest: Digest, path: Path) -> None:
+    """Put the (already verified) file at `path` into the store as a raw-framed blob."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            store.put(digest, frame(get_codec("raw"), b""))
+            return
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)
+            try:
+                store.put(digest, frame(get_codec("raw"), view))
+            finally:
+                view.release()
+
+
+@dataclass(frozen=True, slots=True)
+class Body:
+    """What to send for a blob: an iterator of pieces, `length` bytes in all."""
+
+    pieces: Iterator[bytes]
+    length: int
+
+
+def _read_header(f: BinaryIO) -> tuple[str, int]:
+    head = f.read(6)
+    if len(head) < 6 or head[:4] != MAGIC:
+        raise IntegrityError("stored blob does not start with the kvgraft blob header")
+    name = f.read(head[5]).decode("ascii", "replace")
+    raw = f.read(_SIZE.size)
+    if len(raw) != _SIZE.size:
+        raise IntegrityError("stored blob header is truncated")
+    return name, _SIZE.unpack(raw)[0]
+
+
+def open_blob(store: BlobStore, digest: str, size: int, start: int = 0,
+              end: int | None = None) -> Body:
+    """Bytes [start, end) of blob `digest` (decoded size `size`); NotFound if absent."""
+    d = Digest.parse(digest)
+    end = size if end is None else end
+    if digest == EMPTY_DIGEST:
+        return Body(iter([EMPTY_JSON[start:end]]), end - start)
+    f = store.open(d)
+    try:
+        name, declared = _read_header(f)
+        if declared != size:
+            raise IntegrityError(f"stored blob {digest} declares {declared} bytes, "
+                                 f"expected {size}")
+        if name != "raw":
+            f.close()
+            _, data = decode_blob(store.get(d), size)
+            d.check(Digest.of(data), f"stored blob {digest}")
+            view = bytes(memoryview(data)[start:end])
+            return Body(iter([view]), end - start)
+    except BaseException:
+        f.close()
+        raise
+    return Body(_stream_raw(f, d, size, start, end), end - start)
+
+
+def _stream_raw(f: BinaryIO, digest: Digest, size: int, start: int, end: int,
+                ) -> Iterator[bytes]:
+    # The whole blob is hashed even for a range, so a corrupt one is never served whole.
+    h = hashlib.sha256()
+    pos = 0
+    with f:
+        while pos < size:
+            piece = f.read(min(PIECE, size - pos))
+            if not piece:
+                raise IntegrityError(f"stored blob {digest} is truncated")
+            h.update(piece)
+            lo, hi = max(start - pos, 0), min(end - pos, len(piece))
+            if lo < hi:
+                yield piece[lo:hi]
+            pos += len(piece)
+        if f.read(1):
+            raise IntegrityError(f"stored blob {digest} is longer than it should be")
+    digest.check(Digest.from_hasher(h), f"stored blob {digest}")
+
+
+def require(store: BlobStore, digest: str) -> None:
+    if digest != EMPTY_DIGEST and not store.exists(Digest.parse(digest)):
+        raise NotFound(f"blob {digest} is not in the store")

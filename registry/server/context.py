@@ -1,0 +1,98 @@
+"""What every request handler shares: the registry (catalog + store), the server settings,
+open uploads, tokens, and the audit trail of who did what."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from functools import cached_property
+from typing import Any
+
+from starlette.requests import Request
+
+from kvgraft.catalog.oci import OciTables
+from kvgraft.catalog.records import EventRecord
+from kvgraft.catalog.tokens import TokenTable
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import AuthRefused, RegistryError
+from kvgraft.manifest import Manifest
+from kvgraft.server import auth, grafts
+from kvgraft.server.errors import OciError, from_registry_error
+from kvgraft.server.settings import ServerSettings
+from kvgraft.server.uploads import Uploads
+
+_RENDERED = 4096  # grafts whose OCI rendering a worker keeps (they never change)
+
+
+class Context:
+    def __init__(self, registry: Registry, settings: ServerSettings) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.uploads = Uploads(settings.upload_dir, max_open=settings.max_open_uploads,
+                               max_bytes=settings.max_upload_bytes,
+                               ttl=settings.upload_ttl_seconds)
+        self._rendered: OrderedDict[Digest, tuple[Manifest, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @cached_property
+    def tokens(self) -> TokenTable:
+        return TokenTable(self.registry.catalog)
+
+    @cached_property
+    def oci(self) -> OciTables:
+        return OciTables(self.registry.catalog)
+
+    # --- who ---------------------------------------------------------------------------
+
+    def authenticate(self, request: Request) -> auth.Principal:
+        try:
+            return auth.authenticate(request, self.tokens)
+        except AuthRefused as e:
+            raise OciError(401, "UNAUTHORIZED", e.human(),
+                           headers=auth.challenge(request, None)) from None
+
+    def refuse(self, request: Request, principal: auth.Principal | None, repository: str | None,
+               action: str) -> OciError:
+        return auth.refuse(request, principal, repository, action)
+
+    def registry_error(self, request: Request, e: RegistryError) -> OciError:
+        err = from_registry_error(e)
+        if err.status == 401:
+            err.headers.update(auth.challenge(request, None))
+        return err
+
+    def event_record(self, request: Request, action: str, **kw: Any) -> EventRecord:
+        principal: auth.Principal | None = getattr(request.state, "principal", None)
+        client = request.client.host if request.client else "unknown"
+        return EventRecord(action=action, actor=principal.name if principal else auth.ANONYMOUS,
+                           host=client, **kw)
+
+    def event(self, request: Request, action: str, **kw: Any) -> None:
+        self.registry.catalog.add_event(self.event_record(request, action, **kw))
+
+    # --- grafts ------------------------------------------------------------------------
+
+    def graft(self, digest: Digest) -> tuple[Manifest, bytes]:
+        """A graft's manifest and its OCI rendering (remembered in the catalog, so the
+        rendering's digest resolves in every worker)."""
+        with self._lock:
+            hit = self._rendered.get(digest)
+            if hit is not None:
+                self._rendered.move_to_end(digest)
+                return hit
+        record = self.registry.catalog.artifact(digest)
+        manifest = Manifest.parse(record.manifest, digest)
+        rendered = grafts.render(manifest, record.created_at.isoformat())
+        self.oci.remember_graft(grafts.oci_digest(rendered), str(digest))
+        with self._lock:
+            self._rendered[digest] = (manifest, rendered)
+            while len(self._rendered) > _RENDERED:
+                self._rendered.popitem(last=False)
+        return manifest, rendered
+
+    def render_graft(self, digest: Digest) -> bytes:
+        return self.graft(digest)[1]
+
+    def graft_manifest(self, digest: Digest) -> Manifest:
+        return self.graft(digest)[0]

@@ -1,0 +1,67 @@
+"""A graft as one OCI image manifest (docs/server.md has the mapping).
+
+The layers are the kvgraft manifest (its digest is the artifact digest) and every blob the
+graft needs (KV file header, token ids, chunks), each described by the digest and size of
+its decoded bytes: exactly what `GET /v2/<name>/blobs/<digest>` sends. The config is the
+OCI empty descriptor. The rendering is canonical JSON, so a graft always renders to the
+same bytes and therefore the same OCI manifest digest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvgraft.digest import Digest
+from kvgraft.identity import canonical_json
+from kvgraft.manifest import MEDIA_TYPE as KVGRAFT_MANIFEST
+from kvgraft.manifest import Manifest
+from kvgraft.server.content import EMPTY_DIGEST, EMPTY_JSON
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_EMPTY = "application/vnd.oci.empty.v1+json"
+ARTIFACT_TYPE = "application/vnd.kvgraft.graft.v1"
+HEADER_TYPE = "application/vnd.kvgraft.kv-header.v1"
+TOKENS_TYPE = "application/vnd.kvgraft.token-ids.v1"
+CHUNK_TYPE = "application/vnd.kvgraft.chunk.v1+safetensors"
+
+
+def render(manifest: Manifest, created: str) -> bytes:
+    raw = manifest.canonical()
+    layers: list[dict[str, Any]] = [
+        {"mediaType": KVGRAFT_MANIFEST, "digest": str(manifest.digest), "size": len(raw)},
+        {"mediaType": HEADER_TYPE, "digest": str(manifest.header.digest),
+         "size": manifest.header.size},
+        {"mediaType": TOKENS_TYPE, "digest": str(manifest.tokens.digest),
+         "size": manifest.tokens.size},
+    ]
+    seen = {manifest.header.digest, manifest.tokens.digest}
+    for c in manifest.chunks:
+        layers.append({"mediaType": CHUNK_TYPE, "digest": str(c.digest), "size": c.size,
+                       "annotations": {"org.kvgraft.chunk.index": str(c.index),
+                                       "org.kvgraft.chunk.start": str(c.start),
+                                       "org.kvgraft.chunk.end": str(c.end),
+                                       "org.kvgraft.chunk.prefix": str(c.prefix),
+                                       **({"org.kvgraft.chunk.repeat": "true"}
+                                          if c.digest in seen else {})}})
+        seen.add(c.digest)
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": ARTIFACT_TYPE,
+        "config": {"mediaType": OCI_EMPTY, "digest": EMPTY_DIGEST, "size": len(EMPTY_JSON)},
+        "layers": layers,
+        "annotations": {
+            "org.opencontainers.image.created": created,
+            "org.kvgraft.artifact.digest": str(manifest.digest),
+            "org.kvgraft.model.identity": str(manifest.model.key),
+            "org.kvgraft.model.name": manifest.model_name,
+            "org.kvgraft.token-count": str(manifest.token_count),
+            "org.kvgraft.file.digest": str(manifest.file_digest),
+        },
+    }
+    return canonical_json(doc)
+
+
+def oci_digest(rendered: bytes) -> str:
+    return str(Digest.of(rendered))

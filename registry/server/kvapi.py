@@ -1,0 +1,157 @@
+"""What OCI has no word for, under /kvgraft/v1/: resolve, artifact details and labels,
+model identities, the audit log, and prefix lookup. JSON in and out; errors in the OCI
+error shape; the same tokens and scopes as /v2/."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvgraft.catalog.models import ModelRow
+from kvgraft.errors import RegistryError, UsageError
+from kvgraft.identity import ModelIdentity
+from kvgraft.reference import Reference
+from kvgraft.server import grafts
+from kvgraft.server.auth import Principal
+from kvgraft.server.context import Context
+from kvgraft.server.errors import OciError
+
+PREFIX = "/kvgraft/v1"
+MAX_BODY = 16 << 20
+
+
+def _ctx(request: Request) -> Context:
+    ctx: Context = request.app.state.ctx
+    return ctx
+
+
+def _principal(request: Request, ctx: Context) -> Principal:
+    principal = ctx.authenticate(request)
+    request.state.principal = principal
+    return principal
+
+
+def _require(request: Request, ctx: Context, repository: str, action: str) -> None:
+    principal = _principal(request, ctx)
+    if not principal.may(ctx.settings, repository, action):
+        raise ctx.refuse(request, principal, repository, action)
+
+
+def _ref(request: Request) -> Reference:
+    text = request.query_params.get("ref")
+    if not text:
+        raise OciError(400, "UNSUPPORTED", "give the reference as ?ref=name[:tag|@digest]")
+    try:
+        return Reference.parse(text)
+    except UsageError as e:
+        raise OciError(400, "NAME_INVALID", e.human()) from None
+
+
+def _guarded(fn: Callable[[Request, Context], Any]) -> Callable[[Request], Any]:
+    async def endpoint(request: Request) -> Response:
+        ctx = _ctx(request)
+        try:
+            body = await run_in_threadpool(fn, request, ctx)
+        except OciError as e:
+            return e.response()
+        except RegistryError as e:
+            return ctx.registry_error(request, e).response()
+        return body if isinstance(body, Response) else JSONResponse(body)
+    return endpoint
+
+
+def resolve(request: Request, ctx: Context) -> dict[str, Any]:
+    ref = _ref(request)
+    _require(request, ctx, ref.name, "pull")
+    digest = ctx.registry.catalog.resolve(ref)
+    return {"reference": str(ref), "digest": str(digest),
+            "oci_digest": grafts.oci_digest(ctx.render_graft(digest))}
+
+
+def artifact(request: Request, ctx: Context) -> dict[str, Any]:
+    ref = _ref(request)
+    _require(request, ctx, ref.name, "pull")
+    digest = ctx.registry.catalog.resolve(ref)
+    record = ctx.registry.catalog.artifact(digest)
+    out = ctx.registry.inspect(ref.with_digest(digest)).to_json()
+    # Only what this caller may see: other repositories holding the graft stay hidden.
+    principal = request.state.principal
+    visible = [r for r in record.repositories if principal.may(ctx.settings, r, "pull")]
+    out["repositories"] = visible
+    out["tags"] = [f"{t.repository}:{t.tag}" for t in record.tags if t.repository in visible]
+    return out
+
+
+def labels(request: Request, ctx: Context) -> dict[str, Any]:
+    ref = _ref(request)
+    _require(request, ctx, ref.name, "pull")
+    record = ctx.registry.catalog.artifact(ctx.registry.catalog.resolve(ref))
+    return {"digest": str(record.digest), "labels": dict(record.labels)}
+
+
+def models(request: Request, ctx: Context) -> dict[str, Any]:
+    _principal(request, ctx)
+    if request.state.principal.token is None:
+        raise ctx.refuse(request, request.state.principal, None, "pull")
+    with ctx.registry.catalog._session() as s:
+        rows = s.scalars(select(ModelRow).order_by(ModelRow.id)).all()
+        return {"models": [{"identity": r.identity, "name": r.name,
+                            "architecture": r.architecture, "tokenizer": r.tokenizer,
+                            "weights": r.weights} for r in rows]}
+
+
+def log(request: Request, ctx: Context) -> dict[str, Any]:
+    text = request.query_params.get("ref")
+    if text:
+        ref = _ref(request)
+        _require(request, ctx, ref.name, "pull")
+        events = ctx.registry.log(ref)
+    else:  # the whole log names every repository: admin only
+        _require(request, ctx, "*", "admin")
+        events = ctx.registry.log(None)
+    return {"events": [{"id": e.id, "at": e.at.isoformat() if e.at else None,
+                        "action": e.action, "actor": e.actor, "host": e.host,
+                        "outcome": e.outcome, "repository": e.repository, "tag": e.tag,
+                        "digest": str(e.digest) if e.digest else None,
+                        "detail": dict(e.detail)} for e in events]}
+
+
+def match(request: Request, ctx: Context) -> dict[str, Any]:
+    from kvgraft.match import match as prefix_match
+
+    principal = _principal(request, ctx)
+    raw = request.query_params.get("q")
+    if raw is None or len(raw) > MAX_BODY:
+        raise OciError(400, "UNSUPPORTED",
+                       'give ?q={"model": {architecture, tokenizer, weights}, "tokens": [...]}')
+    try:
+        query = json.loads(raw)
+        identity = ModelIdentity.from_json(query["model"])
+        tokens = [int(t) for t in query["tokens"]]
+    except (ValueError, KeyError, TypeError, UsageError) as e:
+        raise OciError(400, "UNSUPPORTED", f"malformed match query: {e}") from None
+    found = prefix_match(ctx.registry, identity, tokens)
+    if found is None:
+        return {"match": None}
+    repos = ctx.registry.catalog.artifact(found.digest).repositories
+    if not any(principal.may(ctx.settings, r, "pull") for r in repos):
+        return {"match": None}  # what the caller may not pull does not exist for them
+    return {"match": found.to_json()}
+
+
+def routes() -> list[Route]:
+    return [
+        Route(f"{PREFIX}/resolve", _guarded(resolve), methods=["GET"]),
+        Route(f"{PREFIX}/artifact", _guarded(artifact), methods=["GET"]),
+        Route(f"{PREFIX}/labels", _guarded(labels), methods=["GET"]),
+        Route(f"{PREFIX}/models", _guarded(models), methods=["GET"]),
+        Route(f"{PREFIX}/log", _guarded(log), methods=["GET"]),
+        Route(f"{PREFIX}/match", _guarded(match), methods=["GET"]),
+    ]

@@ -1,0 +1,77 @@
+"""Starting a server: the settings travel to every uvicorn worker in one environment
+variable, and each worker builds its own Registry from them (`app_from_env`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+
+from kvgraft.client import Registry
+from kvgraft.config import Config
+from kvgraft.errors import MissingExtra
+from kvgraft.server.app import create_app
+from kvgraft.server.settings import ServerSettings
+
+ENV = "KVGRAFT_SERVE_SETTINGS"
+
+
+def _encode(config: Config, settings: ServerSettings) -> str:
+    def plain(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+    return json.dumps({"config": plain(asdict(config)), "settings": plain(asdict(settings))})
+
+
+def _decode(text: str) -> tuple[Config, ServerSettings]:
+    raw = json.loads(text)
+    c, s = raw["config"], raw["settings"]
+    config = Config(**{**c, "home": Path(c["home"]), "cache_dir": Path(c["cache_dir"])})
+    settings = ServerSettings(**{**s, "upload_dir": Path(s["upload_dir"]),
+                                 "public": tuple(s["public"])})
+    return config, settings
+
+
+def app_from_env() -> Starlette:
+    """The application a uvicorn worker serves (`--factory`)."""
+    config, settings = _decode(os.environ[ENV])
+    return create_app(lambda: Registry(config), settings, extra_routes=_extra_routes())
+
+
+def _extra_routes() -> list[Any]:
+    """The web pages, where that module is installed."""
+    try:
+        from kvgraft.server import web  # type: ignore[attr-defined]
+    except ImportError:
+        return []
+    routes: list[Any] = web.web_routes()
+    return routes
+
+
+def serve(config: Config, settings: ServerSettings, *, host: str, port: int, workers: int,
+          certfile: Path | None = None, keyfile: Path | None = None,
+          log_level: str = "info") -> None:
+    try:
+        import uvicorn
+    except ImportError:
+        raise MissingExtra("kvgraft serve", "server") from None
+    # Fail here, in one clear line, rather than in every worker: catalog reachable and
+    # current, store openable.
+    registry = Registry(config)
+    try:
+        registry.catalog  # noqa: B018
+        registry.store  # noqa: B018
+    finally:
+        registry.close()
+    settings.upload_dir.mkdir(parents=True, exist_ok=True)
+    os.environ[ENV] = _encode(config, settings)
+    uvicorn.run("kvgraft.server.main:app_from_env", factory=True, host=host, port=port,
+                workers=workers if workers > 1 else None, log_level=log_level,
+                ssl_certfile=str(certfile) if certfile else None,
+                ssl_keyfile=str(keyfile) if keyfile else None,
+                h11_max_incomplete_event_size=64 * 1024, proxy_headers=False,
+                server_header=False, timeout_graceful_shutdown=10)

@@ -1,0 +1,87 @@
+"""A real `kvgraft serve` in a subprocess for the server tests, and tokens for it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def kvgraft(env: dict[str, str], *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "kvgraft.cli", *args], env=env, check=True,
+                         capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def make_token(env: dict[str, str], name: str, *scopes: str, expires: str | None = None,
+               ) -> str:
+    args = ["token", "create", "--name", name]
+    for s in scopes:
+        args += ["--scope", s]
+    if expires:
+        args += ["--expires", expires]
+    return kvgraft(env, *args)
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    port: int
+    env: dict[str, str]
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+@contextmanager
+def running_server(env: dict[str, str], log: Path, *extra: str,
+                   scheme: str = "http", verify: str | bool = False) -> Iterator[Server]:
+    port = free_port()
+    args: Sequence[str] = [sys.executable, "-m", "kvgraft.cli", "serve", "--port", str(port),
+                           *extra]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"{scheme}://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvgraft serve exited: {log.read_text()[-2000:]}")
+            try:
+                requests.get(f"{url}/v2/", timeout=2, verify=verify)
+                break
+            except requests.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield Server(url, port, env, proc, log)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def server_env(home: Path, **more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRAFT_")}
+    env.update(KVGRAFT_HOME=str(home), KVGRAFT_CACHE=str(home / "cache"), **more)
+    return env
