@@ -1,0 +1,114 @@
+"""What the web page shows about one artifact, gathered read-only from a Registry.
+
+Signatures and attestations are re-verified on every view against the server's trust
+store (fail closed: a trust store that cannot be read trusts no one, and the page says so).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvgraft.audit import origin
+from kvgraft.catalog import ArtifactRecord, EventRecord
+from kvgraft.catalog.browse import Sharing, recent_events, shared_chunks
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError
+from kvgraft.manifest import Manifest
+from kvgraft.provenance import AttestationStatus, PublicKey, provenance_statement
+from kvgraft.provenance.policy import assess_all
+from kvgraft.server.lineage import Graph, build
+
+EVENTS_SHOWN = 100
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRow:
+    index: int
+    start: int
+    end: int
+    digest: Digest
+    size: int
+    stored_size: int | None
+    codec: str | None
+    shared_with: int  # how many of the listed other artifacts hold this chunk's blob
+
+
+@dataclass(frozen=True, slots=True)
+class AttestationView:
+    status: AttestationStatus
+    signer_names: tuple[str, ...]  # names the trust store gives the verified signers
+
+    @property
+    def verdict(self) -> str:
+        s = self.status
+        if not s.ok:
+            return "failed"
+        return "verified" if s.signed else "unsigned"
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactView:
+    record: ArtifactRecord
+    manifest: Manifest
+    chunks: tuple[ChunkRow, ...]
+    sharing: tuple[Sharing, ...]
+    sharing_more: bool
+    lineage: Graph
+    provenance: dict[str, Any]  # the kvgraft provenance statement, as JSON
+    attestations: tuple[AttestationView, ...]
+    trust_problem: str | None
+    events: tuple[EventRecord, ...]
+    event_total: int
+
+    @property
+    def digest(self) -> Digest:
+        return self.record.digest
+
+    def pretty(self, value: Any) -> str:
+        return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+
+
+def _origin_events(registry: Registry, digest: Digest) -> list[EventRecord]:
+    firsts = [e for action in ("push", "copy")
+              for e in registry.catalog.events(digest=digest, action=action, limit=1)]
+    return sorted(firsts, key=lambda e: e.id or 0)
+
+
+def _trusted(registry: Registry) -> tuple[dict[str, PublicKey], str | None]:
+    try:
+        return registry.keyring.trusted(), None
+    except IntegrityError as e:
+        return {}, e.message
+
+
+def artifact_view(registry: Registry, digest: Digest) -> ArtifactView:
+    catalog = registry.catalog
+    record = catalog.artifact(digest)
+    manifest = Manifest.parse(record.manifest, digest)  # hashes to `digest` or raises
+    sharing, more = shared_chunks(catalog, digest)
+    holders: dict[int, int] = {}
+    for s in sharing:
+        for i in s.chunks:
+            holders[i] = holders.get(i, 0) + 1
+    blobs = catalog.blob_records(c.digest for c in manifest.chunks)
+    chunks = tuple(ChunkRow(c.index, c.start, c.end, c.digest, c.size,
+                            blobs[c.digest].stored_size if c.digest in blobs else None,
+                            blobs[c.digest].codec if c.digest in blobs else None,
+                            holders.get(c.index, 0)) for c in manifest.chunks)
+    statement = provenance_statement(manifest, origin(_origin_events(registry, digest)),
+                                     name=record.repositories[0] if record.repositories
+                                     else None)
+    trusted, trust_problem = _trusted(registry)
+    names = {k.keyid: k.name for k in trusted.values() if k.name}
+    if trust_problem is None:
+        names.update({i.keyid: i.name for i in registry.keyring.listing() if i.name})
+    attestations = tuple(
+        AttestationView(s, tuple(names.get(k, k[:16]) for k in s.signers))
+        for s in assess_all(catalog, digest, trusted))
+    events, total = recent_events(catalog, digest, limit=EVENTS_SHOWN)
+    return ArtifactView(record, manifest, chunks, tuple(sharing), more,
+                        build(catalog, digest, manifest.parents), statement.to_json(),
+                        attestations, trust_problem, tuple(events), total)

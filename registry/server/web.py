@@ -1,0 +1,150 @@
+"""The registry's web page: repositories and tags with search, and one page per artifact
+(model identity, sizes, shared chunks, lineage graph, provenance, attestations with their
+verification result, audit events).
+
+Server-rendered HTML from Jinja2 templates with autoescaping on; read-only; no script.
+The application mounts these routes beside its API:
+
+    Starlette(routes=[*api_routes, *web_routes(lambda: registry)])
+
+`open_registry` is called on every request and returns the application's Registry (the
+routes never close it). Handlers are plain functions: Starlette runs them in its thread
+pool, so blocking catalog queries do not stall the event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from http import HTTPStatus
+from urllib.parse import urlencode
+
+from jinja2 import Environment, PackageLoader
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
+from starlette.templating import Jinja2Templates
+
+from kvgraft.catalog.browse import Listing, Search, search
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import NotFound, RegistryError, Unavailable, UsageError
+from kvgraft.reference import Reference, check_name
+from kvgraft.server.lineage import svg
+from kvgraft.server.views import artifact_view
+
+PAGE_SIZE = 200
+_QUERY_MAX = 512  # longer search text is refused, not matched
+
+
+def human_size(n: int | None) -> str:
+    if n is None:
+        return "—"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(t: datetime | None) -> str:
+    return "—" if t is None else t.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _templates() -> Jinja2Templates:
+    env = Environment(loader=PackageLoader("kvgraft.server", "templates"), autoescape=True,
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["size"] = human_size
+    env.filters["when"] = _when
+    return Jinja2Templates(env=env)
+
+
+def _status(e: RegistryError) -> int:
+    if isinstance(e, NotFound):
+        return 404
+    if isinstance(e, UsageError):
+        return 400
+    if isinstance(e, Unavailable):
+        return 503
+    return 500
+
+
+def _groups(rows: list[Listing]) -> list[tuple[str, list[Listing]]]:
+    out: dict[str, list[Listing]] = {}
+    for r in rows:
+        out.setdefault(r.repository, []).append(r)
+    return list(out.items())
+
+
+def web_routes(open_registry: Callable[[], Registry]) -> list[BaseRoute]:
+    templates = _templates()
+
+    def render(request: Request, name: str, status: int = 200, **context: object) -> Response:
+        return templates.TemplateResponse(request, name, context, status_code=status,
+                                          headers={"Cache-Control": "no-store"})
+
+    def failed(request: Request, e: RegistryError) -> Response:
+        code = _status(e)
+        return render(request, "error.html", code, error=e,
+                      status_text=HTTPStatus(code).phrase)
+
+    def listing(request: Request, repository: str | None) -> Response:
+        p = request.query_params
+        query = Search(name=p.get("q", ""), label=p.get("label", ""),
+                       model=p.get("model", ""), repository=repository)
+        try:
+            if max(len(query.name), len(query.label), len(query.model)) > _QUERY_MAX:
+                raise UsageError(f"search text is longer than {_QUERY_MAX} characters")
+            try:
+                offset = max(0, int(p.get("offset", "0")))
+            except ValueError:
+                raise UsageError("offset must be a whole number") from None
+            rows, more = search(open_registry().catalog, query, limit=PAGE_SIZE,
+                                offset=offset)
+        except RegistryError as e:
+            return failed(request, e)
+        nxt = None
+        if more:
+            keep = {k: v for k, v in p.items() if k != "offset" and v}
+            nxt = "?" + urlencode({**keep, "offset": offset + PAGE_SIZE})
+        return render(request, "index.html", query=query, groups=_groups(rows),
+                      count=len(rows), offset=offset, next_page=nxt)
+
+    def index(request: Request) -> Response:
+        return listing(request, None)
+
+    def repository(request: Request) -> Response:
+        name = request.path_params["name"]
+        try:
+            check_name(name)
+        except UsageError as e:
+            return failed(request, e)
+        return listing(request, name)
+
+    def artifact(request: Request) -> Response:
+        try:
+            digest = Digest.parse(request.path_params["digest"])
+            view = artifact_view(open_registry(), digest)
+        except RegistryError as e:  # a corrupt manifest too: said, never shown
+            return failed(request, e)
+
+        def href(d: Digest) -> str:
+            return str(request.url_for("web_artifact", digest=str(d)))
+
+        return render(request, "artifact.html", view=view, lineage_svg=svg(view.lineage, href))
+
+    def reference(request: Request) -> Response:
+        try:
+            ref = Reference.parse(request.path_params["ref"])
+            digest = open_registry().resolve(ref)
+        except RegistryError as e:
+            return failed(request, e)
+        return RedirectResponse(request.url_for("web_artifact", digest=str(digest)), 302)
+
+    return [
+        Route("/", index, methods=["GET", "HEAD"], name="web_index"),
+        Route("/ui/r/{name:path}", repository, methods=["GET", "HEAD"], name="web_repository"),
+        Route("/ui/a/{digest}", artifact, methods=["GET", "HEAD"], name="web_artifact"),
+        Route("/ui/ref/{ref:path}", reference, methods=["GET", "HEAD"], name="web_reference"),
+    ]
