@@ -5,17 +5,19 @@ server."""
 
 from __future__ import annotations
 
+import base64
 import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.testclient import TestClient
 
 from kvgraft.catalog import Catalog
@@ -211,6 +213,55 @@ def test_bad_input_gets_an_error_page(world: World) -> None:
     assert moved.headers["location"] == f"http://testserver/ui/a/{world.base}"
     assert "0" * 64 + " is not in the catalog</div>" in web.get(f"/ui/a/sha256:{'0' * 64}").text
     assert web.post("/").status_code == 405
+
+
+def scoped(request: Request) -> Callable[[str], bool]:
+    """Access as a server grants it: anonymous callers read the public misc/*, the token
+    `team` reads team/* too, the token `child` only team/child; others are refused."""
+    header = request.headers.get("authorization")
+    if header is None:
+        return lambda repo: repo.startswith("misc/")
+    scheme, _, value = header.partition(" ")
+    token = base64.b64decode(value).decode().partition(":")[2] if scheme == "Basic" else ""
+    if token == "team":
+        return lambda repo: repo.startswith(("team/", "misc/"))
+    if token == "child":
+        return lambda repo: repo == "team/child"
+    raise PermissionError("unknown or revoked token")
+
+
+def test_pages_show_only_what_the_viewer_may_read(world: World) -> None:
+    web = TestClient(Starlette(routes=web_routes(lambda: world.registry, access=scoped)))
+    team, child = ("anyone", "team"), ("anyone", "child")
+    anonymous = web.get("/")
+    assert anonymous.status_code == 200 and "misc/other_1" in anonymous.text
+    assert "team/" not in anonymous.text and "bob/" not in anonymous.text
+    assert "Sign in" in anonymous.text
+    assert "team/" not in web.get("/", params={"label": "stage"}).text
+    # Anonymous: a challenge, whether the repository exists or not.
+    for url in ("/ui/r/team/base", "/ui/r/team/none", f"/ui/a/{world.child}",
+                "/ui/ref/team/base:v1", "/ui/login"):
+        page = web.get(url, follow_redirects=False)
+        assert page.status_code == 401, url
+        assert page.headers["www-authenticate"].startswith("Basic realm="), url
+        assert "team/base:v1" not in page.text
+    assert web.get("/ui/r/misc/none").status_code == 404
+    assert web.get("/ui/login", auth=team, follow_redirects=False).status_code == 303
+    refused = web.get(f"/ui/a/{world.child}", auth=("anyone", "stolen"))
+    assert refused.status_code == 401 and "unknown or revoked token" in refused.text
+    full = web.get(f"/ui/a/{world.child}", auth=team)
+    assert full.status_code == 200 and "team/base:v1" in full.text
+    assert "Sign in" not in full.text
+    # Only team/child: its parent is an anonymous node; the chunks it shares are not said.
+    narrow = web.get(f"/ui/a/{world.child}", auth=child)
+    assert narrow.status_code == 200 and "team/base" not in narrow.text
+    assert f'<g class="node parent hidden" data-digest="{world.base}">' in narrow.text
+    assert f'href="http://testserver/ui/a/{world.base}"><g' not in narrow.text
+    assert 'class="shared"' not in narrow.text and "signature verified" in narrow.text
+    # With credentials, what may not be read is not found, like what does not exist.
+    for url in (f"/ui/a/{world.base}", "/ui/r/team/base", "/ui/ref/team/base:v1"):
+        assert web.get(url, auth=child).status_code == 404, url
+    assert web.get("/", auth=child).text.count('class="repository"') == 1
 
 
 def test_corrupt_manifest_is_refused_not_shown(world: World) -> None:

@@ -27,9 +27,12 @@ class Node:
     level: int  # < 0 ancestors, 0 the artifact itself, > 0 descendants
     names: tuple[str, ...]
     present: bool  # False: a parent the catalog does not hold
+    hidden: bool = False  # in no repository the viewer may read
 
     @property
     def label(self) -> str:
+        if self.hidden:
+            return "not visible to you"
         return self.names[0] if self.names else self.digest.short
 
 
@@ -99,6 +102,36 @@ def build(catalog: Catalog, root: Digest, parents: Sequence[Digest], *,
                  truncated or cut)
 
 
+def repository_of(name: str) -> str:
+    """The repository of a `repository:tag` (or bare repository) name."""
+    return name.partition(":")[0]
+
+
+def restrict(graph: Graph, visible: Callable[[str], bool]) -> Graph:
+    """The graph as a viewer who may read only the repositories `visible` accepts sees
+    it: names of other repositories are dropped; an ancestor left with none stays as an
+    anonymous node (its digest is in the manifests the viewer reads anyway), a descendant
+    left with none goes, and with it whatever was reachable only through it."""
+    nodes: dict[Digest, Node] = {}
+    for n in graph.nodes:
+        names = tuple(x for x in n.names if visible(repository_of(x)))
+        hidden = n.digest != graph.root and n.present and not names
+        if hidden and n.level > 0:
+            continue
+        nodes[n.digest] = Node(n.digest, n.level, names, n.present, hidden)
+    edges = [(p, c) for p, c in graph.edges if p in nodes and c in nodes]
+    reach, todo = {graph.root}, [graph.root]
+    while todo:
+        d = todo.pop()
+        for p, c in edges:
+            if p == d and c not in reach:
+                reach.add(c)
+                todo.append(c)
+    keep = {d for d, n in nodes.items() if n.level <= 0 or d in reach}
+    return Graph(graph.root, tuple(n for d, n in nodes.items() if d in keep),
+                 tuple((p, c) for p, c in edges if p in keep and c in keep), graph.truncated)
+
+
 def _layer(level: dict[Digest, int], edges: set[tuple[Digest, Digest]]) -> None:
     """Longest-path layers: every edge points right, even where a lineage joins itself
     (a graft whose parent and grandparent are both its parents)."""
@@ -148,13 +181,15 @@ def svg(graph: Graph, href: Callable[[Digest], str]) -> Markup:
         kind = "current" if n.level == 0 else ("parent" if n.level < 0 else "child")
         if not n.present:
             kind += " missing"
+        if n.hidden:
+            kind += " hidden"
         sub = n.digest.short if n.present else f"{n.digest.short} · not in catalog"
         box = (f'<rect x="{x}" y="{y}" width="{_W}" height="{_H}" rx="6"/>'
                f'<text x="{x + 10}" y="{y + 19}" class="name">{escape(_clip(n.label))}</text>'
                f'<text x="{x + 10}" y="{y + 36}" class="digest">{escape(sub)}</text>'
                f"<title>{escape(str(n.digest))}</title>")
         group = f'<g class="node {kind}" data-digest="{escape(str(n.digest))}">{box}</g>'
-        if n.present and n.level != 0:
+        if n.present and not n.hidden and n.level != 0:
             group = f'<a href="{escape(href(n.digest))}">{group}</a>'
         out.append(group)
     out.append("</svg>")

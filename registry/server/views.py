@@ -6,20 +6,22 @@ store (fail closed: a trust store that cannot be read trusts no one, and the pag
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvgraft.audit import origin
-from kvgraft.catalog import ArtifactRecord, EventRecord
+from kvgraft.catalog import ArtifactRecord, EventRecord, TagRecord
 from kvgraft.catalog.browse import Sharing, recent_events, shared_chunks
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
-from kvgraft.errors import IntegrityError
+from kvgraft.errors import IntegrityError, NotFound
 from kvgraft.manifest import Manifest
 from kvgraft.provenance import AttestationStatus, PublicKey, provenance_statement
 from kvgraft.provenance.policy import assess_all
-from kvgraft.server.lineage import Graph, build
+from kvgraft.server.lineage import Graph, build, repository_of, restrict
 
 EVENTS_SHOWN = 100
 
@@ -51,7 +53,7 @@ class AttestationView:
 
 @dataclass(frozen=True, slots=True)
 class ArtifactView:
-    record: ArtifactRecord
+    record: ArtifactRecord  # tags and repositories: only those the viewer may read
     manifest: Manifest
     chunks: tuple[ChunkRow, ...]
     sharing: tuple[Sharing, ...]
@@ -60,8 +62,8 @@ class ArtifactView:
     provenance: dict[str, Any]  # the kvgraft provenance statement, as JSON
     attestations: tuple[AttestationView, ...]
     trust_problem: str | None
-    events: tuple[EventRecord, ...]
-    event_total: int
+    events: tuple[EventRecord, ...]  # the latest, newest first
+    events_more: bool  # older events exist beyond those
 
     @property
     def digest(self) -> Digest:
@@ -84,11 +86,37 @@ def _trusted(registry: Registry) -> tuple[dict[str, PublicKey], str | None]:
         return {}, e.message
 
 
-def artifact_view(registry: Registry, digest: Digest) -> ArtifactView:
+class NotVisible(NotFound):
+    """An artifact in no repository the viewer may read."""
+
+
+def everything(repository: str) -> bool:
+    return True
+
+
+def _visible_sharing(sharing: list[Sharing], visible: Callable[[str], bool]) -> list[Sharing]:
+    out = []
+    for s in sharing:
+        names = tuple(n for n in s.names if visible(repository_of(n)))
+        if names:  # that a graft elsewhere holds the same KV is not the viewer's to know
+            out.append(dataclasses.replace(s, names=names))
+    return out
+
+
+def artifact_view(registry: Registry, digest: Digest,
+                  visible: Callable[[str], bool] = everything) -> ArtifactView:
+    """Everything the page shows about `digest`, as a viewer who may read the repositories
+    `visible` accepts sees it; NotFound unless one of the artifact's repositories is."""
     catalog = registry.catalog
     record = catalog.artifact(digest)
+    repos = tuple(r for r in record.repositories if visible(r))
+    if not repos:
+        raise NotVisible(f"artifact {digest} is not in the catalog")
+    tags: tuple[TagRecord, ...] = tuple(t for t in record.tags if visible(t.repository))
+    record = dataclasses.replace(record, repositories=repos, tags=tags)
     manifest = Manifest.parse(record.manifest, digest)  # hashes to `digest` or raises
-    sharing, more = shared_chunks(catalog, digest)
+    found, more = shared_chunks(catalog, digest)
+    sharing = _visible_sharing(found, visible)
     holders: dict[int, int] = {}
     for s in sharing:
         for i in s.chunks:
@@ -98,9 +126,10 @@ def artifact_view(registry: Registry, digest: Digest) -> ArtifactView:
                             blobs[c.digest].stored_size if c.digest in blobs else None,
                             blobs[c.digest].codec if c.digest in blobs else None,
                             holders.get(c.index, 0)) for c in manifest.chunks)
-    statement = provenance_statement(manifest, origin(_origin_events(registry, digest)),
-                                     name=record.repositories[0] if record.repositories
-                                     else None)
+    first = origin(_origin_events(registry, digest))
+    if first is not None and first.repository is not None and not visible(first.repository):
+        first = dataclasses.replace(first, repository=None, tag=None)
+    statement = provenance_statement(manifest, first, name=repos[0])
     trusted, trust_problem = _trusted(registry)
     names = {k.keyid: k.name for k in trusted.values() if k.name}
     if trust_problem is None:
@@ -109,6 +138,8 @@ def artifact_view(registry: Registry, digest: Digest) -> ArtifactView:
         AttestationView(s, tuple(names.get(k, k[:16]) for k in s.signers))
         for s in assess_all(catalog, digest, trusted))
     events, total = recent_events(catalog, digest, limit=EVENTS_SHOWN)
-    return ArtifactView(record, manifest, chunks, tuple(sharing), more,
-                        build(catalog, digest, manifest.parents), statement.to_json(),
-                        attestations, trust_problem, tuple(events), total)
+    shown = tuple(e for e in events if e.repository is None or visible(e.repository))
+    graph = restrict(build(catalog, digest, manifest.parents), visible)
+    return ArtifactView(record, manifest, chunks, tuple(sharing), more, graph,
+                        statement.to_json(), attestations, trust_problem, shown,
+                        total > len(events))

@@ -31,7 +31,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import NotFound, RegistryError, Unavailable, UsageError
 from kvgraft.reference import Reference, check_name
 from kvgraft.server.lineage import svg
-from kvgraft.server.views import artifact_view
+from kvgraft.server.views import NotVisible, artifact_view, everything
 
 PAGE_SIZE = 200
 # The pages run no script and load nothing from elsewhere: a policy that says so turns
@@ -87,23 +87,55 @@ def _groups(rows: list[Listing]) -> list[tuple[str, list[Listing]]]:
     return list(out.items())
 
 
-def web_routes(open_registry: Callable[[], Registry]) -> list[BaseRoute]:
+Visible = Callable[[str], bool]
+Access = Callable[[Request], Visible]
+_CHALLENGE = {"WWW-Authenticate": 'Basic realm="kvgraft", charset="UTF-8"'}
+
+
+def web_routes(open_registry: Callable[[], Registry], *,
+               access: Access | None = None) -> list[BaseRoute]:
+    """The page's routes. `access(request)` authenticates a request once and returns which
+    repositories it may read (the server's pull scope); it raises PermissionError for
+    credentials it refuses. Without it every repository is visible (a trusted network).
+    Browsers send credentials by Basic auth: any user name, the token as the password."""
     templates = _templates()
+    templates.env.globals["sign_in"] = access is not None
 
-    def render(request: Request, name: str, status: int = 200, **context: object) -> Response:
+    def render(request: Request, name: str, status: int = 200,
+               headers: dict[str, str] | None = None, **context: object) -> Response:
         return templates.TemplateResponse(request, name, context, status_code=status,
-                                          headers=HEADERS)
+                                          headers={**HEADERS, **(headers or {})})
 
-    def failed(request: Request, e: RegistryError) -> Response:
-        code = _status(e)
-        return render(request, "error.html", code, error=e,
+    def failed(request: Request, e: RegistryError, code: int | None = None,
+               headers: dict[str, str] | None = None) -> Response:
+        code = code or _status(e)
+        return render(request, "error.html", code, headers, error=e,
                       status_text=HTTPStatus(code).phrase)
+
+    def viewer(request: Request) -> Visible:
+        return everything if access is None else access(request)
+
+    def hidden(request: Request, e: NotFound) -> Response:
+        """What a viewer gets for something it may not read: without credentials, a
+        challenge (the browser asks for a token), whether or not it exists; with them,
+        the same answer as for something that does not exist."""
+        if "authorization" in request.headers:
+            return failed(request, e)
+        return failed(request, RegistryError(
+            "this needs a token with pull access",
+            hint="sign in with any user name and the token as the password"), 401, _CHALLENGE)
+
+    def unauthorised(request: Request, e: PermissionError) -> Response:
+        return failed(request, RegistryError(f"credentials refused: {e}"), 401, _CHALLENGE)
 
     def listing(request: Request, repository: str | None) -> Response:
         p = request.query_params
         query = Search(name=p.get("q", ""), label=p.get("label", ""),
                        model=p.get("model", ""), repository=repository)
         try:
+            visible = viewer(request)
+            if repository is not None and not visible(repository):
+                return hidden(request, NotFound(f"repository {repository} is not in the catalog"))
             if max(len(query.name), len(query.label), len(query.model)) > _QUERY_MAX:
                 raise UsageError(f"search text is longer than {_QUERY_MAX} characters")
             try:
@@ -112,8 +144,15 @@ def web_routes(open_registry: Callable[[], Registry]) -> list[BaseRoute]:
                 raise UsageError("offset must be a whole number") from None
             rows, more = search(open_registry().catalog, query, limit=PAGE_SIZE,
                                 offset=offset)
+        except PermissionError as e:
+            return unauthorised(request, e)
         except RegistryError as e:
             return failed(request, e)
+        rows = [r for r in rows if visible(r.repository)]
+        if repository is not None and not rows and not offset and not (
+                query.name or query.label or query.model):
+            return failed(request, NotFound(f"repository {repository} is not in the catalog",
+                                            hint="`kvgraft ls` lists what the catalog holds"))
         nxt = None
         if more:
             keep = {k: v for k, v in p.items() if k != "offset" and v}
@@ -135,7 +174,11 @@ def web_routes(open_registry: Callable[[], Registry]) -> list[BaseRoute]:
     def artifact(request: Request) -> Response:
         try:
             digest = Digest.parse(request.path_params["digest"])
-            view = artifact_view(open_registry(), digest)
+            view = artifact_view(open_registry(), digest, viewer(request))
+        except PermissionError as e:
+            return unauthorised(request, e)
+        except NotVisible as e:
+            return hidden(request, e)
         except RegistryError as e:  # a corrupt manifest too: said, never shown
             return failed(request, e)
 
@@ -147,14 +190,32 @@ def web_routes(open_registry: Callable[[], Registry]) -> list[BaseRoute]:
     def reference(request: Request) -> Response:
         try:
             ref = Reference.parse(request.path_params["ref"])
+            if not viewer(request)(ref.name):
+                return hidden(request, NotFound(f"{ref} is not in the catalog"))
             digest = open_registry().resolve(ref)
+        except PermissionError as e:
+            return unauthorised(request, e)
         except RegistryError as e:
             return failed(request, e)
         return RedirectResponse(request.url_for("web_artifact", digest=str(digest)), 302)
 
+    def login(request: Request) -> Response:
+        """Ask the browser for credentials, then go back to the listing."""
+        try:
+            viewer(request)
+        except PermissionError as e:
+            return unauthorised(request, e)
+        if "authorization" not in request.headers:
+            return failed(request, RegistryError("sign in with a token",
+                                                 hint="any user name; the token as password"),
+                          401, _CHALLENGE)
+        return RedirectResponse(request.url_for("web_index"), 303)
+
+    get = ["GET", "HEAD"]
     return [
-        Route("/", index, methods=["GET", "HEAD"], name="web_index"),
-        Route("/ui/r/{name:path}", repository, methods=["GET", "HEAD"], name="web_repository"),
-        Route("/ui/a/{digest}", artifact, methods=["GET", "HEAD"], name="web_artifact"),
-        Route("/ui/ref/{ref:path}", reference, methods=["GET", "HEAD"], name="web_reference"),
+        Route("/", index, methods=get, name="web_index"),
+        Route("/ui/login", login, methods=get, name="web_login"),
+        Route("/ui/r/{name:path}", repository, methods=get, name="web_repository"),
+        Route("/ui/a/{digest}", artifact, methods=get, name="web_artifact"),
+        Route("/ui/ref/{ref:path}", reference, methods=get, name="web_reference"),
     ]
