@@ -25,6 +25,7 @@ from kvgraft.catalog.browse import Search, search, shared_chunks
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.kvfile import RawTensor, write_kvfile
+from kvgraft.provenance import fidelity_statement
 from kvgraft.push import PushOptions
 from kvgraft.sample import synthetic_identity, synthetic_layers
 from kvgraft.server.lineage import Graph, Node, build, svg
@@ -76,6 +77,9 @@ def world(make_registry: RegistryFactory, catalog_url: str, tmp_path: Path) -> I
                        "misc/other_1:latest").digest
     alice.keyring.generate("alice")
     alice.sign("team/child:v1", "alice")
+    model = alice.manifest(child).model
+    alice.attest(fidelity_statement(child, model, True, details={"top1": 1.0}),
+                 event_action="verify-graft")
     bob.keyring.generate("bob")
     bob.push(graft(tmp_path / "bob.kv", 256, seed=3), "bob/solo:v2")
     bob_signed = bob.sign("bob/solo:v2", "bob")[0]
@@ -166,6 +170,9 @@ def test_artifact_page_shows_everything(world: World) -> None:
     assert "2 of 4" in text
     # The signature verifies against this server's (alice's) trust store.
     assert text.count('class="attestation" data-verdict="verified"') == 1
+    assert text.count('class="attestation" data-verdict="unsigned"') == 1
+    assert f"fidelity check passed on model {m.model.key.short}" in text
+    assert "provenance of this graft" in text
     assert "signature verified" in text and "by alice" in text
     assert 'data-action="sign"' in text and 'data-action="push"' in text
     assert "kvgraft.sample" in text  # provenance from the KV file
@@ -339,8 +346,15 @@ def test_browser_shows_lineage_and_signature(world: World, served: str) -> None:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(f"{served}/?q=team", wait_until="load")
-            page.get_by_role("link", name="v1").last.click()
+            page.goto(served, wait_until="load")
+            assert page.locator("section.repository").count() == 4
+            # Search by label through the form, as a person would.
+            page.get_by_label("label").fill("stage=dev")
+            page.get_by_role("button", name="Search").click()
+            page.wait_for_url(re.compile(r"label=stage%3Ddev"))
+            assert page.locator("section.repository").count() == 1
+            page.screenshot(path=str(shots / "search.png"), full_page=True)
+            page.get_by_role("link", name="v1").click()
             page.wait_for_url(re.compile(rf"/ui/a/{re.escape(str(world.child))}$"))
             assert page.locator("#digest").inner_text() == str(world.child)
             graph = page.locator("#lineage svg.lineage")

@@ -19,8 +19,15 @@ from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound
 from kvgraft.manifest import Manifest
-from kvgraft.provenance import AttestationStatus, PublicKey, provenance_statement
+from kvgraft.provenance import (
+    FIDELITY,
+    PROVENANCE,
+    AttestationStatus,
+    PublicKey,
+    provenance_statement,
+)
 from kvgraft.provenance.policy import assess_all
+from kvgraft.provenance.statement import fidelity_identity
 from kvgraft.server.lineage import Graph, build, repository_of, restrict
 
 EVENTS_SHOWN = 100
@@ -42,6 +49,23 @@ class ChunkRow:
 class AttestationView:
     status: AttestationStatus
     signer_names: tuple[str, ...]  # names the trust store gives the verified signers
+
+    @property
+    def claim(self) -> str:
+        """What the statement says, in a few words."""
+        st = self.status.statement
+        if st is None:
+            return "unreadable statement"
+        if st.predicate_type == FIDELITY:
+            outcome = "passed" if st.predicate.get("passed") is True else "failed"
+            try:
+                model = fidelity_identity(st).key.short
+            except (IntegrityError, KeyError, TypeError, ValueError):
+                model = "an unreadable model identity"
+            return f"fidelity check {outcome} on model {model}"
+        if st.predicate_type == PROVENANCE:
+            return "provenance of this graft"
+        return st.predicate_type
 
     @property
     def verdict(self) -> str:
