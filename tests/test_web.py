@@ -28,7 +28,7 @@ from kvgraft.kvfile import RawTensor, write_kvfile
 from kvgraft.provenance import fidelity_statement
 from kvgraft.push import PushOptions
 from kvgraft.sample import synthetic_identity, synthetic_layers
-from kvgraft.server.lineage import Graph, Node, build, svg
+from kvgraft.server.lineage import Graph, Node, build, restrict, svg
 from kvgraft.server.web import human_size, web_routes
 from tests.conftest import RegistryFactory, unavailable
 from tests.test_events import tamper
@@ -291,6 +291,31 @@ def test_lineage_walk_is_bounded(world: World, tmp_path: Path) -> None:
     cut = build(reg.catalog, parent, reg.manifest(parent).parents, max_nodes=3)
     assert cut.truncated and len(cut.nodes) == 3
     assert build(reg.catalog, world.base, (), max_depth=2).truncated
+
+
+def test_lineage_that_joins_itself_points_right(world: World, tmp_path: Path) -> None:
+    reg = world.registry
+    both = reg.push(graft(tmp_path / "j.kv", 1000), "team/joined",
+                    options=PushOptions(parents=(world.base, world.child))).digest
+    graph = build(reg.catalog, both, reg.manifest(both).parents)
+    levels = {n.digest: n.level for n in graph.nodes}
+    assert levels == {world.base: -2, world.child: -1, both: 0}
+    assert set(graph.edges) == {(world.base, world.child), (world.base, both),
+                                (world.child, both)}
+    assert all(levels[p] < levels[c] for p, c in graph.edges)
+
+
+def test_restrict_drops_what_is_reachable_only_through_hidden_grafts() -> None:
+    a, root, hid, grand, pub = (Digest.of(x) for x in (b"a", b"r", b"h", b"g", b"p"))
+    graph = Graph(root, (Node(a, -1, ("secret/a:v1",), True), Node(root, 0, ("pub/r",), True),
+                         Node(hid, 1, ("secret/h",), True), Node(grand, 2, ("pub/g",), True),
+                         Node(pub, 1, ("pub/p:v2", "secret/p:v1"), True)),
+                  ((a, root), (root, hid), (hid, grand), (root, pub)), False)
+    seen = restrict(graph, lambda repo: repo.startswith("pub/"))
+    assert {n.digest: (n.names, n.hidden) for n in seen.nodes} == {
+        a: ((), True), root: (("pub/r",), False), pub: (("pub/p:v2",), False)}
+    assert set(seen.edges) == {(a, root), (root, pub)}
+    assert "secret" not in str(svg(seen, lambda d: f"/ui/a/{d}"))
 
 
 def test_svg_marks_missing_parents_and_escapes() -> None:
