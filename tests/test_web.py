@@ -29,6 +29,7 @@ from kvgraft.provenance import fidelity_statement
 from kvgraft.push import PushOptions
 from kvgraft.sample import synthetic_identity, synthetic_layers
 from kvgraft.server.lineage import Graph, Node, build, restrict, svg
+from kvgraft.server import web
 from kvgraft.server.web import human_size, web_routes
 from tests.conftest import RegistryFactory, unavailable
 from tests.test_events import tamper
@@ -147,6 +148,18 @@ def test_index_lists_and_searches(world: World) -> None:
     repo = web.get("/ui/r/team/base")
     assert repo.status_code == 200 and world.base.short in repo.text
     assert world.child.short not in repo.text
+
+
+def test_index_pages(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(web, "PAGE_SIZE", 3)
+    client_ = client(world.registry)
+    first = client_.get("/", params={"label": ""})
+    assert first.text.count('class="repository"') == 3
+    nxt = re.search(r'id="next-page" href="([^"]+)"', first.text)
+    assert nxt is not None and nxt.group(1) == "?offset=3"
+    second = client_.get("/" + nxt.group(1))
+    assert second.text.count('class="repository"') == 1 and "next-page" not in second.text
+    assert 'data-repository="team/child"' in second.text
 
 
 def test_artifact_page_shows_everything(world: World) -> None:
