@@ -28,8 +28,8 @@ from kvgraft.kvfile import RawTensor, write_kvfile
 from kvgraft.provenance import fidelity_statement
 from kvgraft.push import PushOptions
 from kvgraft.sample import synthetic_identity, synthetic_layers
-from kvgraft.server.lineage import Graph, Node, build, restrict, svg
 from kvgraft.server import web
+from kvgraft.server.lineage import Graph, Node, build, restrict, svg
 from kvgraft.server.web import human_size, web_routes
 from tests.conftest import RegistryFactory, unavailable
 from tests.test_events import tamper
