@@ -180,7 +180,7 @@ def test_artifact_page_shows_everything(world: World) -> None:
     assert "1 parent, 0 children" in text
     # Shared chunks: the base holds the blobs of chunks 0 and 1.
     assert f'<tr class="shared" data-digest="{world.base}">' in text
-    assert "2 of 4" in text
+    assert "2 of 4" in text and 'style="left: 0.000%; width: 50.000%"' in text
     # The signature verifies against this server's (alice's) trust store.
     assert text.count('class="attestation" data-verdict="verified"') == 1
     assert text.count('class="attestation" data-verdict="unsigned"') == 1
@@ -403,6 +403,11 @@ def test_browser_shows_lineage_and_signature(world: World, served: str) -> None:
             status = page.locator('tr.attestation[data-verdict="verified"] .status')
             assert status.inner_text() == "signature verified"
             assert status.evaluate("e => getComputedStyle(e).color") == "rgb(26, 127, 55)"
+            # Chunks 0-1 of 4 shared: one run, half the strip (styles survive the policy).
+            [run] = page.locator("tr.shared .strip span").all()
+            box, strip = run.bounding_box(), page.locator("tr.shared .strip").bounding_box()
+            assert box is not None and strip is not None
+            assert abs(box["width"] - (strip["width"] - 2) / 2) < 2
             page.screenshot(path=str(shots / "artifact.png"), full_page=True)
             # Follow the lineage: the parent's node opens the parent's page.
             parent.click()

@@ -46,6 +46,25 @@ class ChunkRow:
 
 
 @dataclass(frozen=True, slots=True)
+class SharingView:
+    sharing: Sharing
+    bytes: int  # decoded bytes of the shared chunks
+    runs: tuple[tuple[float, float], ...]  # (left, width) in % of the chunk axis
+
+    @classmethod
+    def of(cls, sharing: Sharing, sizes: dict[int, int], total: int) -> SharingView:
+        runs: list[tuple[int, int]] = []
+        for i in sharing.chunks:  # sorted: consecutive chunks become one run
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        scale = 100 / max(total, 1)
+        return cls(sharing, sum(sizes.get(i, 0) for i in sharing.chunks),
+                   tuple((a * scale, (b - a) * scale) for a, b in runs))
+
+
+@dataclass(frozen=True, slots=True)
 class AttestationView:
     status: AttestationStatus
     signer_names: tuple[str, ...]  # names the trust store gives the verified signers
@@ -80,7 +99,7 @@ class ArtifactView:
     record: ArtifactRecord  # tags and repositories: only those the viewer may read
     manifest: Manifest
     chunks: tuple[ChunkRow, ...]
-    sharing: tuple[Sharing, ...]
+    sharing: tuple[SharingView, ...]
     sharing_more: bool
     lineage: Graph
     provenance: dict[str, Any]  # the kvgraft provenance statement, as JSON
@@ -164,6 +183,8 @@ def artifact_view(registry: Registry, digest: Digest,
     events, total = recent_events(catalog, digest, limit=EVENTS_SHOWN)
     shown = tuple(e for e in events if e.repository is None or visible(e.repository))
     graph = restrict(build(catalog, digest, manifest.parents), visible)
-    return ArtifactView(record, manifest, chunks, tuple(sharing), more, graph,
+    sizes = {c.index: c.size for c in manifest.chunks}
+    shared = tuple(SharingView.of(s, sizes, len(manifest.chunks)) for s in sharing)
+    return ArtifactView(record, manifest, chunks, shared, more, graph,
                         statement.to_json(), attestations, trust_problem, shown,
                         total > len(events))
