@@ -39,7 +39,7 @@ def test_wheel_installs_only_the_kvgraft_import_name(wheel: Path) -> None:
               "schemas": "kvgraft/_schemas"}
     for folder, target in mapped.items():
         for f in (ROOT / folder).rglob("*"):
-            if f.suffix in {".py", ".json", ".mako"} and "__pycache__" not in f.parts:
+            if f.suffix in {".py", ".json", ".mako", ".html"} and "__pycache__" not in f.parts:
                 assert f"{target}/{f.relative_to(ROOT / folder).as_posix()}" in names, f
 
 
