@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.codec import MAGIC, parse_frame
 from kvgraft.digest import Digest
-from kvgraft.errors import NotFound, UsageError
+from kvgraft.errors import IntegrityError, NotFound, UsageError
 from kvgraft.manifest import Manifest
 from kvgraft.push import PushOptions
 from kvgraft.sample import write_synthetic
