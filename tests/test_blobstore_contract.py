@@ -13,7 +13,7 @@ import pytest
 from kvgraft.blobstore import BlobStore, blob_path, open_store
 from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.digest import Digest
-from kvgraft.errors import NotFound, Unavailable
+from kvgraft.errors import IntegrityError, NotFound, Unavailable
 
 
 @pytest.fixture
@@ -161,10 +161,15 @@ def test_local_store_errors_are_unavailable_and_name_the_path(tmp_path: Path) ->
     digest, data = blob(64, 6)
     path = tmp_path / "blobs" / blob_path(digest)
     path.mkdir(parents=True)
-    for call in (store.get, store.open, store.delete):
-        with pytest.raises(Unavailable, match=f"blob {path}: Is a directory") as err:
+    # What is not a regular file is no blob: reading it is an integrity failure (exit 4,
+    # never a hang on a FIFO or an endless read of a device); deleting it fails as I/O.
+    for call in (store.get, store.open):
+        with pytest.raises(IntegrityError, match=f"{path} is a directory, not a regular") as e:
             call(digest)
-        assert err.value.exit_code == 7
+        assert e.value.exit_code == 4
+    with pytest.raises(Unavailable, match=f"blob {path}: Is a directory") as err:
+        store.delete(digest)
+    assert err.value.exit_code == 7
     other, data = blob(64, 7)
     fan = tmp_path / "blobs" / blob_path(other)
     fan.parent.write_bytes(b"")  # the fan-out directory is a file
