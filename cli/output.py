@@ -9,15 +9,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
+
+# rich is imported where it is used: a command that prints no table or bar (and
+# `kvgraft --version`) should not pay for loading it.
 
 
 def emit_json(value: Any) -> None:
@@ -25,6 +19,9 @@ def emit_json(value: Any) -> None:
 
 
 def emit_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console(soft_wrap=True)
     table = Table(*headers, box=None, pad_edge=False, header_style="bold")
     for row in rows:
@@ -46,6 +43,15 @@ def human_bytes(n: int | None) -> str:
 @contextmanager
 def progress_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
     """A transfer bar on stderr when it is a terminal; a no-op callback otherwise."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     console = Console(stderr=True)
     if not console.is_terminal:
         yield lambda n: None
