@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each against a baseline measured in the same run.
 
 Rows are printed as they come and written to .bench/results.json.
-    python -m benchmarks.run [--size-mib 1024] [--only core,s3,s3link,codec,graft,server]
+    python -m benchmarks.run [--size-mib 1024] [--only startup,core,s3,s3link,codec,graft,server]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ WORKDIR = Path(".bench")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
-    parser.add_argument("--only", default="core,s3,s3link,codec,graft,server")
+    parser.add_argument("--only", default="startup,core,s3,s3link,codec,graft,server")
     args = parser.parse_args()
     wanted = set(args.only.split(","))
     rows: list[dict[str, Any]] = []
@@ -29,9 +29,13 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     WORKDIR.mkdir(exist_ok=True)
+    if "startup" in wanted:
+        from benchmarks import startup
+
+        startup.run(report)
     from benchmarks import core
 
-    kv = core.kv_file(WORKDIR, args.size_mib)
+    kv = core.kv_file(WORKDIR, args.size_mib) if wanted & {"core", "s3"} else Path()
     if "core" in wanted:
         core.run(WORKDIR, args.size_mib, report)
     if "s3" in wanted:

@@ -6,15 +6,18 @@ import json
 import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from kvgraft.audit import AuditReport
 from kvgraft.cli.common import current_registry, json_option, parse_duration
 from kvgraft.cli.output import echo, emit_json, emit_table, err, human_bytes
 from kvgraft.errors import IntegrityError, Unavailable, UsageError
 from kvgraft.fsutil import atomic_writer
 from kvgraft.reference import Reference
+
+if TYPE_CHECKING:
+    from kvgraft.audit import AuditReport
 
 
 def parse_since(text: str, now: datetime | None = None) -> datetime:

@@ -5,7 +5,7 @@ the parsers of option values. Imports nothing heavy, so that the command modules
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
@@ -22,6 +22,26 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON."
 _DURATION = re.compile(r"([0-9]{1,12})([smhdw]?)")  # ASCII digits; 12 keep int() cheap
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 MAX_DURATION = 100 * 365 * 86400  # far past any retention, far below datetime's range
+
+
+class LazyChoice(click.Choice[str]):
+    """A Choice whose values are computed when first needed (parsing or help), so that
+    defining the command does not import the module that knows them."""
+
+    def __init__(self, load: Callable[[], Sequence[str]]) -> None:
+        self._load = load
+        self._choices: tuple[str, ...] | None = None
+        super().__init__(())
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        if self._choices is None:
+            self._choices = tuple(self._load())
+        return self._choices
+
+    @choices.setter
+    def choices(self, value: Sequence[str]) -> None:
+        pass  # Choice.__init__ sets it; the loader is what counts
 
 
 def current_registry(ctx: click.Context) -> Registry:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -19,9 +19,11 @@ from kvgraft.cli.common import (
     signed_by_option,
 )
 from kvgraft.cli.output import echo, emit_json, err
-from kvgraft.client import Registry
 from kvgraft.errors import UsageError
 from kvgraft.reference import Reference
+
+if TYPE_CHECKING:
+    from kvgraft.client import Registry
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -3,31 +3,68 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvgraft import __version__
-from kvgraft.cli import audit, graft, manage, server
-from kvgraft.cli.common import current_registry, json_option, parse_labels, policy_options
+from kvgraft.cli.common import (
+    LazyChoice,
+    current_registry,
+    json_option,
+    parse_labels,
+    policy_options,
+)
 from kvgraft.cli.errors import run_guarded
 from kvgraft.cli.output import echo, emit_json, emit_table, err, human_bytes, progress_bar
-from kvgraft.client import Registry, check_output
-from kvgraft.codec import DEFAULT_CODEC, push_codec_names
-from kvgraft.config import Config
 from kvgraft.errors import IntegrityError, UsageError
-from kvgraft.push import PushOptions
-from kvgraft.reference import Reference
+
+if TYPE_CHECKING:
+    from kvgraft.reference import Reference
+
+DEFAULT_CODEC = "auto"  # kvgraft.codec.DEFAULT_CODEC, without importing the codecs here
+
+
+def _codec_names() -> list[str]:
+    from kvgraft.codec import push_codec_names
+
+    return push_codec_names()
+
+
+# Subcommands defined in the other command modules, by module: imported only when one of
+# them runs (or --help lists them), so `kvgraft --version` and `kvgraft ls` load neither.
+# tests/test_startup.py checks this table against each module's COMMANDS.
+LAZY_COMMANDS = {
+    "kvgraft.cli.manage": ("remote", "copy", "cache"),
+    "kvgraft.cli.graft": ("fingerprint", "capture", "check", "graft", "verify-graft", "match"),
+    "kvgraft.cli.audit": ("log", "provenance", "key", "trust", "sign", "audit", "gc"),
+    "kvgraft.cli.server": ("serve", "token"),
+}
+_MODULE_OF = {name: module for module, names in LAZY_COMMANDS.items() for name in names}
 
 
 class GuardedGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         return run_guarded(lambda: super(GuardedGroup, self).invoke(ctx))
 
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_MODULE_OF})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is None and cmd_name in _MODULE_OF:
+            module = importlib.import_module(_MODULE_OF[cmd_name])
+            command = next(c for c in module.COMMANDS if c.name == cmd_name)
+            self.add_command(command)
+        return command
+
 
 def _ref(text: str) -> Reference:
+    from kvgraft.reference import Reference
+
     return Reference.parse(text)
 
 
@@ -45,6 +82,9 @@ def _ref(text: str) -> Reference:
 def cli(ctx: click.Context, home: Path | None, catalog_url: str | None, blob_url: str | None,
         cache_dir: Path | None, remote: str | None, offline: bool | None) -> None:
     """kvgraft: a content-addressed registry for byte-exact KV-cache grafts."""
+    from kvgraft.client import Registry
+    from kvgraft.config import Config
+
     env = dict(os.environ)
     if home is not None:
         env["KVGRAFT_HOME"] = str(home)
@@ -60,7 +100,7 @@ def cli(ctx: click.Context, home: Path | None, catalog_url: str | None, blob_url
 @click.argument("ref")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help="Repeatable.")
 @click.option("--chunk-tokens", type=click.IntRange(1), default=256, show_default=True)
-@click.option("--codec", type=click.Choice(push_codec_names()), default=DEFAULT_CODEC,
+@click.option("--codec", type=LazyChoice(_codec_names), default=DEFAULT_CODEC,
               show_default=True, help="auto: byte planes for float tensors, zstd otherwise.")
 @click.option("--level", type=int, default=None, help="Codec level (zstd: -7..22, default 1).")
 @click.option("--parent", "parents", multiple=True, metavar="REF",
@@ -70,6 +110,8 @@ def cli(ctx: click.Context, home: Path | None, catalog_url: str | None, blob_url
 def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chunk_tokens: int,
          codec: str, level: int | None, parents: tuple[str, ...], as_json: bool) -> None:
     """Push the KV file FILE as REF (name[:tag]); prints the artifact digest."""
+    from kvgraft.push import PushOptions
+
     reg = current_registry(ctx)
     reference = _ref(ref)
     options = PushOptions(chunk_tokens=chunk_tokens, codec=codec, level=level,
@@ -106,10 +148,12 @@ def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str
     """Pull REF into the local cache, verifying every byte; --output rebuilds the file."""
     reg = current_registry(ctx)
     if offline and not reg.config.offline:
-        reg = Registry(dataclasses.replace(reg.config, offline=True))
+        reg = type(reg)(dataclasses.replace(reg.config, offline=True))
         ctx.call_on_close(reg.close)
     reference = _ref(ref)
     if output is not None:
+        from kvgraft.client import check_output
+
         check_output(output)  # a usage error before any catalog lookup
     total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:
@@ -263,7 +307,3 @@ def db_current(ctx: click.Context, as_json: bool) -> None:
 def main() -> None:
     cli(prog_name="kvgraft")
 
-
-for _module in (manage, graft, audit, server):
-    for _command in _module.COMMANDS:
-        cli.add_command(_command)

@@ -8,7 +8,6 @@ import click
 
 from kvgraft.cli.common import current_registry, json_option, parse_duration
 from kvgraft.cli.output import emit_json, emit_table, err, human_bytes
-from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.errors import UsageError
 from kvgraft.reference import Reference
@@ -75,6 +74,8 @@ def copy(ctx: click.Context, src: str, dst: str, as_json: bool) -> None:
     remote_name, slash, rest = dst.partition("/")
     if not slash or not rest:
         raise UsageError(f"the target is REMOTE/name[:tag], got {dst!r}")
+    from kvgraft.client import Registry
+
     target = Registry(Config.from_env({"KVGRAFT_HOME": str(reg.config.home)},
                                       remote=remote_name))
     try:

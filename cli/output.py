@@ -10,16 +10,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
-from rich.text import Text
+
+# rich is imported where it is used: a command that prints no table or bar (and
+# `kvgraft --version`) should not pay for loading it.
 
 # C0 and C1 controls (ESC starts CSI and OSC sequences, BEL/ST end them), DEL, and the
 # bidirectional overrides and line separators that make text display as something else.
@@ -40,6 +33,10 @@ def emit_json(value: Any) -> None:
 
 
 def emit_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     console = Console(soft_wrap=True)
     table = Table(*headers, box=None, pad_edge=False, header_style="bold")
     for row in rows:
@@ -64,6 +61,15 @@ def human_bytes(n: int | None) -> str:
 @contextmanager
 def progress_bar(description: str, total: int) -> Iterator[Callable[[int], None]]:
     """A transfer bar on stderr when it is a terminal; a no-op callback otherwise."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     console = Console(stderr=True)
     if not console.is_terminal:
         yield lambda n: None

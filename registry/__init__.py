@@ -1,10 +1,7 @@
 """kvgraft: a content-addressed registry for byte-exact KV-cache grafts."""
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("kvgraft")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0.0.0+source"
+# A literal, not importlib.metadata: reading the installed metadata costs more than the
+# rest of `kvgraft --version`. tests/test_startup.py checks that it equals pyproject's.
+__version__ = "0.1.0"
 
 __all__ = ["__version__"]

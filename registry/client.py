@@ -11,25 +11,28 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvgraft.blobstore import BlobStore, open_store
-from kvgraft.cache import Cache
-from kvgraft.catalog import ArtifactRecord, Catalog, EventRecord, PushRecord, TagRecord
+from kvgraft.catalog import ArtifactRecord, EventRecord, PushRecord, TagRecord
 from kvgraft.catalog.records import AttestationRecord, BlobRecord
 from kvgraft.config import Config, actor
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound, RegistryError, UsageError
 from kvgraft.identity import ModelIdentity
-from kvgraft.manifest import Manifest
-from kvgraft.pull import Fetcher, FetchStats, Progress, export, fetch
-from kvgraft.push import PushOptions, build_artifact
 from kvgraft.reference import Reference, check_name
-from kvgraft.transfer import CopyStats, copy_blobs
-from kvgraft.verify import VerifyReport, verify_artifact
 
+# The data path (codecs and numpy, manifest schemas, the stores) is imported by the
+# methods that use it: `kvgraft ls` and the like load only the catalog.
 if TYPE_CHECKING:
     from kvgraft.audit import AuditReport
+    from kvgraft.blobstore import BlobStore
+    from kvgraft.cache import Cache
+    from kvgraft.catalog import Catalog
     from kvgraft.gc import GcPlan, GcResult
+    from kvgraft.manifest import Manifest
     from kvgraft.provenance import Keyring, Statement
+    from kvgraft.pull import Fetcher, FetchStats, Progress
+    from kvgraft.push import PushOptions
+    from kvgraft.transfer import CopyStats
+    from kvgraft.verify import VerifyReport
 
 _LABEL_KEY_MAX = 255
 # Parsed manifests, remembered per process: a digest names immutable content (a manifest
@@ -141,11 +144,15 @@ class Registry:
     @cached_property
     def store(self) -> BlobStore:
         self.require_online("the blob store")
+        from kvgraft.blobstore import open_store
+
         return open_store(self.config.blob_url)
 
     @cached_property
     def catalog(self) -> Catalog:
         self.require_online("the catalog")
+        from kvgraft.catalog import Catalog
+
         return Catalog.open(self.config.catalog_url, auto_upgrade=self.config.embedded)
 
     def require_online(self, what: str) -> None:
@@ -159,6 +166,8 @@ class Registry:
 
     @cached_property
     def cache(self) -> Cache:
+        from kvgraft.cache import Cache
+
         return Cache(self.config.cache_dir)
 
     def close(self) -> None:
@@ -173,6 +182,8 @@ class Registry:
     def push(self, path: str | Path, ref: Reference | str, *,
              labels: Mapping[str, str] | None = None, options: PushOptions | None = None,
              progress: Progress | None = None) -> PushResult:
+        from kvgraft.push import PushOptions, build_artifact
+
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
         if ref.digest is not None:
             raise UsageError(f"push takes name[:tag], not a digest: {ref}")
@@ -240,6 +251,8 @@ class Registry:
         return manifest
 
     def _read_manifest(self, digest: Digest) -> Manifest:
+        from kvgraft.manifest import Manifest
+
         cached = self.cache.get_manifest(digest)
         if cached is not None:
             return Manifest.parse(cached, digest)
@@ -259,6 +272,8 @@ class Registry:
         """The one way to open an artifact for use: resolve `ref`, read its manifest,
         enforce the policy (`check_policy`), and hand back a fetcher reading its blobs
         through the machine cache. Every path that hands KV to a model goes through here."""
+        from kvgraft.pull import Fetcher
+
         reference = _as_reference(ref)
         digest = ref if isinstance(ref, Digest) else self.resolve(ref)
         manifest = self.manifest(digest)
@@ -277,6 +292,8 @@ class Registry:
         config.toml; a refused pull raises PolicyRefused (exit 4) and is logged."""
         if output is not None:
             check_output(output)
+        from kvgraft.pull import export, fetch
+
         opened = self.open(ref, require_signed_by=require_signed_by,
                            require_verified=bool(require_verified),
                            model=require_verified if isinstance(require_verified, ModelIdentity)
@@ -301,6 +318,9 @@ class Registry:
              ) -> tuple[Digest, CopyStats]:
         """Copy the artifact `src` names into `dst_registry` as `dst`; only missing blobs
         move. Labels come along; the copy is an event in both catalogs."""
+        from kvgraft.manifest import Manifest
+        from kvgraft.transfer import copy_blobs
+
         src = Reference.parse(src) if isinstance(src, str) else src
         dst = Reference.parse(dst) if isinstance(dst, str) else dst
         if dst.digest is not None and dst.digest != self.resolve(src):
@@ -325,6 +345,9 @@ class Registry:
     def list(self, pattern: str | None = None) -> tuple[TagRecord, ...]:
         if pattern and not any(ch in pattern for ch in "*?["):
             check_name(pattern)
+        if self.config.embedded and "catalog" not in self.__dict__ and \
+                not (self.config.home / "catalog.db").exists():
+            return ()  # a registry never written to: listing it should not create it
         tags = self.catalog.list_tags(pattern.replace("[", "?") if pattern else None)
         if pattern:
             tags = tuple(t for t in tags if fnmatch.fnmatchcase(t.repository, pattern))
@@ -344,6 +367,9 @@ class Registry:
 
     def verify(self, ref: Reference | str | None = None, *, workers: int = 2,
                ) -> tuple[VerifyReport, ...]:
+        from kvgraft.manifest import Manifest
+        from kvgraft.verify import verify_artifact
+
         digests = [self.resolve(ref)] if ref is not None else self.catalog.artifact_digests()
         reports = []
         for digest in digests:
@@ -374,6 +400,8 @@ class Registry:
 
     def _catalog_manifest(self, digest: Digest) -> Manifest:
         """The manifest as the catalog holds it now (no cache): it must hash to `digest`."""
+        from kvgraft.manifest import Manifest
+
         try:
             return Manifest.parse(self.catalog.artifact(digest).manifest, digest)
         except IntegrityError as e:

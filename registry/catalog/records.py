@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, UsageError
-from kvgraft.manifest import Manifest
+
+if TYPE_CHECKING:  # the manifest's schema validation is not needed to read the catalog
+    from kvgraft.manifest import Manifest
 
 
 def aware(t: datetime) -> datetime:

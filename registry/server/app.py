@@ -58,10 +58,10 @@ async def token_endpoint(request: Request) -> Response:
 
 
 def create_app(registry_factory: Callable[[], Registry], settings: ServerSettings, *,
-               extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+               extra_routes: Sequence[BaseRoute] = (), pages: bool = True) -> Starlette:
     """The application. `registry_factory` runs once per worker, at start-up; routes in
-    `extra_routes` (the web pages, for one) are mounted after the APIs and see the same
-    `request.app.state.ctx`."""
+    `extra_routes` are mounted after the APIs and see the same `request.app.state.ctx`;
+    `pages` adds the web page at `/`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -86,7 +86,30 @@ def create_app(registry_factory: Callable[[], Registry], settings: ServerSetting
         *kvapi.routes(),
         *extra_routes,
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={RegistryError: on_registry_error})
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={RegistryError: on_registry_error})
+    if pages:
+        app.router.routes.extend(_web_pages(app))
+    return app
+
+
+def _web_pages(app: Starlette) -> list[BaseRoute]:
+    """The web page (kvgraft.server.web), reading through this app's registry and showing
+    each viewer only the repositories its token may pull."""
+    from kvgraft.server.web import web_routes
+
+    def access(request: Request) -> Callable[[str], bool]:
+        ctx: Context = request.app.state.ctx
+        try:
+            principal = ctx.authenticate(request)
+        except OciError as e:
+            raise PermissionError(str(e)) from None
+        return lambda repository: principal.may(ctx.settings, repository, "pull")
+
+    def current_registry() -> Registry:
+        registry: Registry = app.state.ctx.registry
+        return registry
+
+    return web_routes(current_registry, access=access)
 
 

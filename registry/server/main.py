@@ -39,17 +39,7 @@ def _decode(text: str) -> tuple[Config, ServerSettings]:
 def app_from_env() -> Starlette:
     """The application a uvicorn worker serves (`--factory`)."""
     config, settings = _decode(os.environ[ENV])
-    return create_app(lambda: Registry(config), settings, extra_routes=_extra_routes())
-
-
-def _extra_routes() -> list[Any]:
-    """The web pages, where that module is installed."""
-    try:
-        from kvgraft.server import web  # type: ignore[attr-defined]
-    except ImportError:
-        return []
-    routes: list[Any] = web.web_routes()
-    return routes
+    return create_app(lambda: Registry(config), settings)
 
 
 def serve(config: Config, settings: ServerSettings, *, host: str, port: int, workers: int,

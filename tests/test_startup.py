@@ -1,0 +1,86 @@
+"""Start-up: `kvgraft --version`, `--help` and `ls` on an empty registry load only what they
+need. Checked in fresh interpreters with -X importtime (every module a process imports is
+listed there), so nothing this test process imported can hide an import."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import kvgraft
+from kvgraft.cli.main import DEFAULT_CODEC, LAZY_COMMANDS, cli
+
+HEAVY = ("sqlalchemy", "alembic", "numpy", "torch", "transformers", "boto3", "botocore",
+         "jsonschema", "zstandard", "cryptography", "securesystemslib")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def imported(env: dict[str, str], *args: str) -> set[str]:
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvgraft.cli", *args],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = set()
+    for line in proc.stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip())
+    assert "kvgraft.cli.main" in names  # the listing works at all
+    return names
+
+
+def heavy(names: set[str], roots: tuple[str, ...] = HEAVY) -> set[str]:
+    return {n for n in names if n.split(".")[0] in roots}
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"]])
+def test_version_and_help_load_nothing_heavy(cli_env: dict[str, str], args: list[str]) -> None:
+    names = imported(cli_env, *args)
+    assert heavy(names, (*HEAVY, "rich")) == set()
+    assert "kvgraft.client" not in names
+    if args == ["--version"]:  # the other command modules are not even read
+        assert not names & set(LAZY_COMMANDS)
+
+
+def test_ls_on_an_empty_registry_loads_only_the_catalog(cli_env: dict[str, str]) -> None:
+    home = Path(cli_env["KVGRAFT_HOME"])
+    # Never written to: nothing to read, and listing it does not create a catalog.
+    names = imported(cli_env, "ls")
+    assert heavy(names) == set()
+    assert not (home / "catalog.db").exists()
+    # An empty catalog: SQLAlchemy, but not the migrations, the data path or the models.
+    assert CliRunner(env=cli_env).invoke(cli, ["db", "upgrade"]).exit_code == 0
+    names = imported(cli_env, "ls")
+    assert "sqlalchemy" in names
+    assert heavy(names) == {n for n in names if n.split(".")[0] == "sqlalchemy"}
+
+
+def test_lazy_command_table_matches_the_modules() -> None:
+    for module, names in LAZY_COMMANDS.items():
+        commands = importlib.import_module(module).COMMANDS
+        assert tuple(c.name for c in commands) == names
+    listed = CliRunner().invoke(cli, ["--help"]).output
+    for names in LAZY_COMMANDS.values():
+        for name in names:
+            assert f"  {name} " in listed or f"  {name}\n" in listed, name
+
+
+def test_version_and_defaults_agree_with_their_sources() -> None:
+    from kvgraft.codec import DEFAULT_CODEC as codec_default
+    from kvgraft.codec import push_codec_names
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert kvgraft.__version__ == pyproject["project"]["version"] == version("kvgraft")
+    assert codec_default == DEFAULT_CODEC
+    runner = CliRunner()
+    assert kvgraft.__version__ in runner.invoke(cli, ["--version"]).output
+    # The codec choice is computed when needed, and still refuses what is not a codec.
+    out = runner.invoke(cli, ["push", "--help"]).output
+    assert all(name in out for name in push_codec_names())
+    r = runner.invoke(cli, ["push", "x.kv", "a/b", "--codec", "nope"])
+    assert r.exit_code == 2 and "nope" in r.output
