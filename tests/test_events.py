@@ -22,8 +22,8 @@ from kvgraft.catalog.schema import upgrade
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.resources import migrations_dir
-from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
+from tests.synthetic import write_synthetic
 
 
 def tamper(catalog: Catalog, sql: str, **params: Any) -> None:
