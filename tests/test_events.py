@@ -15,8 +15,8 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
 from kvgraft.catalog import Catalog, EventRecord
-from kvgraft.catalog.audit import GENESIS, event_hash
 from kvgraft.catalog.engine import make_engine
+from kvgraft.catalog.events import GENESIS, event_hash
 from kvgraft.catalog.models import EventRow
 from kvgraft.catalog.schema import upgrade
 from kvgraft.cli.main import cli
