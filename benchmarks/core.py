@@ -28,7 +28,7 @@ LAYERS, HEADS, DIM = 30, 3, 64
 
 def kv_file(workdir: Path, size_mib: int) -> Path:
     """The benchmark input, written once per size and reused."""
-    from kvgraft.sample import write_synthetic
+    from tests.synthetic import write_synthetic
 
     path = workdir / f"bench-{size_mib}MiB-bf16.kv"
     if not path.exists():

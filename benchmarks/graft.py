@@ -90,7 +90,7 @@ def match_row(workdir: Path, report: Callable[[dict[str, Any]], None],
     from kvgraft.catalog.models import ArtifactChunkRow, ArtifactRow, BlobRow, ModelRow
     from kvgraft.match import match
     from kvgraft.push import PushOptions
-    from kvgraft.sample import synthetic_identity, write_synthetic
+    from tests.synthetic import synthetic_identity, write_synthetic
 
     root = workdir / "match"
     shutil.rmtree(root, ignore_errors=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.kvfile import RawTensor, write_kvfile
-from kvgraft.sample import synthetic_identity
+from tests.synthetic import synthetic_identity
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (

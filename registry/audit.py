@@ -15,7 +15,7 @@ from typing import Any
 
 from kvgraft.blobstore.base import BlobStore
 from kvgraft.catalog import ArtifactRecord, Catalog, EventRecord
-from kvgraft.catalog.audit import ChainReport
+from kvgraft.catalog.events import ChainReport
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound
 from kvgraft.manifest import Manifest

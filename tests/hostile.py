@@ -8,7 +8,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from kvgraft.sample import write_synthetic
+from tests.synthetic import write_synthetic
 
 HOSTILE = Path(__file__).parent / "data" / "hostile"
 

@@ -13,8 +13,8 @@ from kvgraft.catalog import Catalog
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.push import PushOptions
-from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
+from tests.synthetic import write_synthetic
 from tests.test_events import tamper
 
 

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from kvgraft.cli.main import cli
 from kvgraft.errors import NotFound
-from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
+from tests.synthetic import write_synthetic
 
 
 def test_offline_pull_serves_the_cache_without_catalog_or_store(

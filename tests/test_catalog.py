@@ -20,7 +20,7 @@ from kvgraft.errors import CatalogOutdated, NotFound, Unavailable, UsageError
 from kvgraft.manifest import Manifest
 from kvgraft.push import PushOptions, build_artifact
 from kvgraft.reference import Reference
-from kvgraft.sample import write_synthetic
+from tests.synthetic import write_synthetic
 
 
 def _event(action: str = "push", **kw: object) -> EventRecord:

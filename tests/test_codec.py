@@ -25,8 +25,8 @@ from kvgraft.codec import (
 )
 from kvgraft.errors import IntegrityError, UnknownCodec
 from kvgraft.kvfile import read_layout, safetensors_header
-from kvgraft.sample import to_dtype, write_synthetic
 from tests.conftest import RegistryFactory
+from tests.synthetic import to_dtype, write_synthetic
 
 SAMPLE = Path(__file__).parent / "data" / "smollm2-bf16.kv"
 

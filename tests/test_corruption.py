@@ -22,9 +22,9 @@ from kvgraft.codec import FRAME_VERSION, MAGIC, RawCodec, frame
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, InvalidKVFile, NotFound
 from kvgraft.manifest import ChunkRef
-from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
 from tests.hostile import CASES, HOSTILE
+from tests.synthetic import write_synthetic
 
 CLI = "from kvgraft.cli.main import main; main()"
 

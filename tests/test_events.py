@@ -15,15 +15,15 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import DBAPIError
 
 from kvgraft.catalog import Catalog, EventRecord
-from kvgraft.catalog.audit import GENESIS, event_hash
 from kvgraft.catalog.engine import make_engine
+from kvgraft.catalog.events import GENESIS, event_hash
 from kvgraft.catalog.models import EventRow
 from kvgraft.catalog.schema import upgrade
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.resources import migrations_dir
-from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
+from tests.synthetic import write_synthetic
 
 
 def tamper(catalog: Catalog, sql: str, **params: Any) -> None:

@@ -23,8 +23,8 @@ from kvgraft.errors import IntegrityError
 from kvgraft.gc import GcResult
 from kvgraft.kvfile import write_kvfile
 from kvgraft.push import PushOptions, build_artifact
-from kvgraft.sample import synthetic_identity, synthetic_layers
 from tests.conftest import RegistryFactory
+from tests.synthetic import synthetic_identity, synthetic_layers
 from tests.test_events import tamper
 
 

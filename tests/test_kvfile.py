@@ -9,8 +9,8 @@ from safetensors import safe_open
 
 from kvgraft.errors import InvalidKVFile, UsageError
 from kvgraft.kvfile import hash_file, read_layout
-from kvgraft.sample import synthetic_identity, write_synthetic
 from tests.hostile import CASES, HOSTILE, write_all
+from tests.synthetic import synthetic_identity, write_synthetic
 
 
 def test_layout_of_sliding_window_file(tmp_path: Path) -> None:

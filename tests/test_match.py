@@ -11,7 +11,7 @@ from kvgraft.client import Registry
 from kvgraft.match import match
 from kvgraft.prefix import prefix_keys
 from kvgraft.push import PushOptions
-from kvgraft.sample import synthetic_identity, write_synthetic
+from tests.synthetic import synthetic_identity, write_synthetic
 
 BASE = list(range(1000, 1600))
 

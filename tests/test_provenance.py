@@ -27,8 +27,8 @@ from kvgraft.provenance import (
 )
 from kvgraft.push import PushOptions
 from kvgraft.resources import load_schema, schemas_dir
-from kvgraft.sample import synthetic_identity, write_synthetic
 from tests.conftest import RegistryFactory
+from tests.synthetic import synthetic_identity, write_synthetic
 from tests.test_events import tamper
 
 

@@ -13,8 +13,8 @@ from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound, UsageError
 from kvgraft.manifest import Manifest
 from kvgraft.push import PushOptions
-from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
+from tests.synthetic import write_synthetic
 
 
 def sha(path: Path) -> str:
@@ -295,7 +295,7 @@ def test_identical_chunks_are_fetched_once_and_written_everywhere(
     # One blob for many chunks: its decode buffer must stay alive until every place of it
     # is written, across batched writes.
     from kvgraft.kvfile import RawTensor, write_kvfile
-    from kvgraft.sample import synthetic_identity
+    from tests.synthetic import synthetic_identity
 
     heads, dim, tokens, chunk = 2, 8, 40 * 16, 16
     row = bytes(range(dim)) * 2  # BF16: dim values of 2 bytes, the same for every token

@@ -24,8 +24,8 @@ from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import Conflict, IntegrityError, NotFound, UsageError
 from kvgraft.provenance import PROVENANCE, PolicyRefused, PublicKey
-from kvgraft.sample import write_synthetic
 from tests.conftest import RegistryFactory
+from tests.synthetic import write_synthetic
 from tests.test_events import tamper
 
 

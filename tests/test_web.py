@@ -27,11 +27,11 @@ from kvgraft.digest import Digest
 from kvgraft.kvfile import RawTensor, write_kvfile
 from kvgraft.provenance import fidelity_statement
 from kvgraft.push import PushOptions
-from kvgraft.sample import synthetic_identity, synthetic_layers
 from kvgraft.server import web
 from kvgraft.server.lineage import Graph, Node, build, restrict, svg
 from kvgraft.server.web import human_size, web_routes
 from tests.conftest import RegistryFactory, unavailable
+from tests.synthetic import synthetic_identity, synthetic_layers
 from tests.test_events import tamper
 
 ROOT = Path(__file__).resolve().parent.parent

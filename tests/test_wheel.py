@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.synthetic import write_synthetic
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,6 +33,7 @@ def test_wheel_installs_only_the_kvgraft_import_name(wheel: Path) -> None:
     assert any(n.startswith("kvgraft/_migrations/versions/0001") for n in names)
     assert "kvgraft/_schemas/manifest.schema.json" in names
     assert "kvgraft/py.typed" in names
+    assert "kvgraft/sample.py" not in names  # test data generator, not the library
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"kvgraft"}
     # Every module of the tree reaches the wheel under its mapped name (the package list in
@@ -85,8 +88,7 @@ def test_installed_wheel_runs_from_another_directory(wheel: Path, tmp_path: Path
     assert "/kvgraft/" in where[1] and "/kvgraft/" not in where[2] + where[3]
     run("db", "upgrade")
     assert "up to date" in run("db", "current")
-    subprocess.run([str(py), "-c", "from kvgraft.sample import write_synthetic; "
-                    "write_synthetic('a.kv', tokens=300)"], cwd=work, env=env, check=True)
+    write_synthetic(work / "a.kv", tokens=300)
     digest = run("push", "a.kv", "w/a:1").strip()
     run("pull", "w/a:1", "--output", "b.kv")
     assert (work / "a.kv").read_bytes() == (work / "b.kv").read_bytes()

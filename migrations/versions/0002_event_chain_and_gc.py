@@ -39,7 +39,7 @@ GENESIS = "sha256:" + "0" * 64
 
 
 def _event_hash(seq: int, prev: str, at: datetime, row: Any) -> str:
-    # Frozen copy of kvgraft.catalog.audit.event_hash (tests keep the two equal).
+    # Frozen copy of kvgraft.catalog.events.event_hash (tests keep the two equal).
     at = at if at.tzinfo else at.replace(tzinfo=UTC)
     body = {"v": 1, "seq": seq, "prev": prev,
             "at": at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),

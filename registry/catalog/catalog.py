@@ -14,7 +14,8 @@ from sqlalchemy import Engine, Select, delete, func, select
 from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
-from kvgraft.catalog import audit, schema
+from kvgraft.catalog import events as chain
+from kvgraft.catalog import gcquery, lineage, schema
 from kvgraft.catalog.engine import RESTORE_HINT, make_engine, safe_url
 from kvgraft.catalog.models import (
     ArtifactBlobRow,
@@ -239,8 +240,8 @@ class Catalog:
             self._add_event(s, event, _now())
 
     def _add_event(self, s: Session, e: EventRecord, now: datetime) -> None:
-        # Hash-chained and serialised with other writers: see kvgraft.catalog.audit.
-        audit.append_event(s, e, now)
+        # Hash-chained and serialised with other writers: see kvgraft.catalog.events.
+        chain.append_event(s, e, now)
 
     # --- reads -------------------------------------------------------------------------
 
@@ -340,26 +341,26 @@ class Catalog:
                 detail=json.loads(e.detail), at=aware(e.at), id=e.id)
                 for e in s.scalars(q)]
 
-    # --- audit, lineage and gc: the queries live in kvgraft.catalog.audit --------------
+    # --- audit, lineage and gc: the queries live in catalog.events, .lineage, .gcquery ---
 
-    def event_chain(self) -> audit.ChainReport:
+    def event_chain(self) -> chain.ChainReport:
         """Check the whole event log's hash chain."""
         with self._session() as s:
-            return audit.check_chain(audit.read_chain(s))
+            return chain.check_chain(chain.read_chain(s))
 
     def attestation_digests(self, digest: Digest) -> dict[int, str]:
         """The statement digest recorded beside each attestation of `digest` when stored."""
         with self._session() as s:
-            return audit.attestation_digests(s, digest)
+            return lineage.attestation_digests(s, digest)
 
     def children(self, digest: Digest) -> list[Digest]:
         """Artifacts whose manifest names `digest` as a parent."""
         with self._session() as s:
-            return audit.children(s, digest)
+            return lineage.children(s, digest)
 
-    def gc_inventory(self) -> list[audit.ArtifactLinks]:
+    def gc_inventory(self) -> list[gcquery.ArtifactLinks]:
         with self._session() as s:
-            return audit.inventory(s)
+            return gcquery.inventory(s)
 
     def delete_artifacts(self, digests: Iterable[Digest], *, created_before: datetime,
                          event: EventRecord) -> list[Digest]:
@@ -367,30 +368,30 @@ class Catalog:
         (re-checked under the gc lock), with their attestations; logs `event`."""
         now = _now()
         with self._session(write=True) as s:
-            audit.lock_for_gc(s)
-            gone = audit.delete_artifacts(s, digests, created_before)
-            audit.prune_deletions(s, now)
+            gcquery.lock_for_gc(s)
+            gone = gcquery.delete_artifacts(s, digests, created_before)
+            gcquery.prune_deletions(s, now)
             detail = {**event.detail, "artifacts_deleted": [str(d) for d in gone]}
             self._add_event(s, dataclasses.replace(event, detail=detail), now)
         return gone
 
     def sweep_blobs(self, digests: Iterable[Digest],
-                    delete_blob: audit.BlobDeleter) -> list[Digest]:
+                    delete_blob: gcquery.BlobDeleter) -> list[Digest]:
         """Delete from the store and the catalog the blobs among `digests` that no artifact
         references; see kvgraft.gc for why this is safe while others push."""
         wanted = list(digests)
         with self._session(write=True) as s:
-            audit.record_deletions(s, wanted, _now())
+            gcquery.record_deletions(s, wanted, _now())
         with self._session(write=True) as s:
-            audit.lock_for_gc(s)
-            return audit.sweep(s, wanted, delete_blob)
+            gcquery.lock_for_gc(s)
+            return gcquery.sweep(s, wanted, delete_blob)
 
     def deleted_blobs(self, digests: Iterable[Digest]) -> set[Digest]:
         """The blobs among `digests` that a gc has deleted (or set out to) at some time."""
         with self._session() as s:
-            return audit.deleted_among(s, digests)
+            return gcquery.deleted_among(s, digests)
 
     def refresh_blobs(self, blobs: Iterable[BlobRecord]) -> None:
         """Make the blob rows describe what the store holds now (after a re-upload)."""
         with self._session(write=True) as s:
-            audit.refresh_blobs(s, self._insert(BlobRow), blobs, _now())
+            gcquery.refresh_blobs(s, self._insert(BlobRow), blobs, _now())

@@ -148,7 +148,7 @@ class EventRow(Base):
     digest: Mapped[str | None] = mapped_column(DIGEST, nullable=True, index=True)
     outcome: Mapped[str] = mapped_column(String(32))
     detail: Mapped[str] = mapped_column(Text)
-    # The hash chain (kvgraft.catalog.audit): position, predecessor's hash, own hash.
+    # The hash chain (kvgraft.catalog.events): position, predecessor's hash, own hash.
     seq: Mapped[int] = mapped_column(BigInteger, unique=True, index=True)
     prev_hash: Mapped[str] = mapped_column(DIGEST)
     hash: Mapped[str] = mapped_column(DIGEST)

@@ -1,5 +1,6 @@
 """Synthetic KV files with the shape and statistics of real caches, for tests, demos and
-benchmarks when no model is at hand (real captures come from integrations/transformers)."""
+benchmarks when no model is at hand (real captures come from integrations/transformers).
+It lives beside the tests, not in the installed package: nothing a user runs needs it."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def write_synthetic(path: Path | str, *, num_layers: int = 4, kv_heads: int = 2,
         int(t) for t in np.random.default_rng(seed + 1).integers(0, 49152, tokens)]
     layers = synthetic_layers(num_layers, kv_heads, head_dim, len(ids), dtype=dtype,
                               window=window, sliding=sliding, seed=seed)
+    # The recorded engine name is part of the bytes of committed fixtures (tests/data):
+    # it stays as first written.
     return write_kvfile(path, layers, ids, synthetic_identity(name), model_name=name,
                         model_config={"model_type": name, "num_hidden_layers": num_layers,
                                       "num_key_value_heads": kv_heads, "head_dim": head_dim},
