@@ -206,3 +206,74 @@ def test_cache_failure_after_the_commit_is_a_warning(
     assert "warning: caching faults/b:v1 failed" in r.stderr
     r = run(cli_env, "ls", "--json")
     assert '"faults/b"' in r.stdout
+
+
+# --- repair ------------------------------------------------------------------------------
+
+def corrupt(store: object, digest: object, data: bytes) -> None:
+    """Replace a stored blob's bytes behind the store's back, on any backend."""
+    from kvgraft.blobstore.local import LocalBlobStore
+    from kvgraft.blobstore.memory import MemoryBlobStore
+    from kvgraft.blobstore.s3 import S3BlobStore
+    from kvgraft.digest import Digest
+
+    assert isinstance(digest, Digest)
+    if isinstance(store, MemoryBlobStore):
+        store.corrupt(digest, data)
+    elif isinstance(store, S3BlobStore):
+        store.client.put_object(Bucket=store.bucket, Key=store._key(digest), Body=data)
+    else:
+        assert isinstance(store, LocalBlobStore)
+        path = store._path(digest)
+        path.unlink()
+        path.write_bytes(data)
+
+
+@pytest.fixture
+def repo(make_registry: object, store_url: str, tmp_path: Path) -> object:
+    reg = make_registry(blob_url=store_url)  # type: ignore[operator]
+    yield reg
+    reg.close()
+
+
+def test_push_again_repairs_a_corrupt_blob(repo: object, tmp_path: Path) -> None:
+    from kvgraft.client import Registry
+
+    reg = repo
+    assert isinstance(reg, Registry)
+    src = write_synthetic(tmp_path / "r.kv", tokens=600, seed=11)
+    first = reg.push(src, "faults/r:v1")
+    m = reg.manifest(first.digest)
+    victims = [m.chunks[0].digest, m.header.digest]
+    stored = reg.store.get(victims[0])
+    corrupt(reg.store, victims[0], stored[:-1] + bytes([stored[-1] ^ 1]))  # one bit
+    corrupt(reg.store, victims[1], b"garbage")
+    assert {b.digest for b in reg.verify("faults/r:v1")[0].bad} == set(victims)
+    again = reg.push(src, "faults/r:v1")
+    assert again.blobs_stored == 2 and again.bytes_stored > 0
+    assert reg.verify("faults/r:v1")[0].ok  # catalog rows describe the new objects too
+    out = tmp_path / "out.kv"
+    reg.pull("faults/r:v1", out)
+    assert out.read_bytes() == src.read_bytes()
+
+
+def test_verify_repair_from_cache_and_from_file(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    home = tmp_path / "home"
+    r = run(cli_env, "pull", "faults/a:v1")  # fills the cache
+    assert r.returncode == 0, r.stderr
+    for source in (["--repair"], ["--repair-from", str(pushed)]):
+        blobs = blob_files(home)
+        blobs[0].unlink()
+        blobs[0].symlink_to("/dev/zero")
+        blobs[1].write_bytes(b"KVGB garbage")
+        r = run(cli_env, "verify", "faults/a:v1")
+        assert r.returncode == 4, r.stderr
+        r = run(cli_env, "verify", "faults/a:v1", *source)
+        assert r.returncode == 0, (source, r.stderr)
+        assert "repaired 2 of 2" in r.stderr
+        assert not blobs[0].is_symlink()
+    other = write_synthetic(tmp_path / "other.kv", tokens=100, seed=4)
+    blob_files(home)[0].write_bytes(b"bad")
+    r = run(cli_env, "verify", "faults/a:v1", "--repair-from", str(other))
+    assert r.returncode == 2 and "is not the file of artifact" in r.stderr, r.stderr

@@ -440,13 +440,32 @@ class S3BlobStore:
         raise Unavailable(f"S3 bucket {self.bucket!r} at {self.endpoint} kept refusing to "
                           f"store blob {digest} (concurrent writes)", hint="retry the push")
 
-    def _put_single(self, digest: Digest, parts: Sequence[Buffer], size: int) -> None:
+    def replace(self, digest: Digest, parts: Sequence[Buffer]) -> None:
+        """Overwrite a blob the caller found corrupt (or missing) with good bytes.
+
+        Unconditional on purpose: the conditional create would keep the bad object. Every
+        writer of a digest writes bytes that decode to it, so racing repairs all leave a
+        good object, and a reader sees the old or the new object whole (ranged reads of a
+        large one are pinned to one ETag)."""
+        size = sum(memoryview(p).nbytes for p in parts)
+        if size < self.settings.multipart_threshold:
+            self._call(f"repair blob {digest}",
+                       lambda: self._put_single(digest, parts, size, create=False))
+        else:
+            self._call(f"repair blob {digest}",
+                       lambda: self._put_multipart(digest, parts, size, create=False))
+
+    def _put_single(self, digest: Digest, parts: Sequence[Buffer], size: int, *,
+                    create: bool = True) -> None:
+        condition: dict[str, Any] = {"IfNoneMatch": "*"} if create else {}
         with _race_errors():
             self.client.put_object(Bucket=self.bucket, Key=self._key(digest),
                                    Body=cast(IO[bytes], _PartsReader(parts)), ContentLength=size,
-                                   IfNoneMatch="*")
+                                   **condition)
 
-    def _put_multipart(self, digest: Digest, parts: Sequence[Buffer], size: int) -> None:
+    def _put_multipart(self, digest: Digest, parts: Sequence[Buffer], size: int, *,
+                       create: bool = True) -> None:
+        condition: dict[str, Any] = {"IfNoneMatch": "*"} if create else {}
         key = self._key(digest)
         upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
         step = self.settings.part_size
@@ -471,12 +490,12 @@ class S3BlobStore:
             # Some servers (SeaweedFS 4.x) check If-None-Match on completion without
             # serialising concurrent completions, so a writer that finished first is
             # looked for here and again below; on AWS the condition alone suffices.
-            if self._present(key):
+            if create and self._present(key):
                 raise _RaceLost
             with _race_errors():
                 etag = self.client.complete_multipart_upload(
                     Bucket=self.bucket, Key=key, UploadId=upload_id,
-                    MultipartUpload={"Parts": done}, IfNoneMatch="*").get("ETag")
+                    MultipartUpload={"Parts": done}, **condition).get("ETag")
         except BaseException:
             # Uploaded parts are invisible but billed until aborted.
             # If even the abort fails, a lifecycle rule for incomplete uploads cleans up.
@@ -489,7 +508,7 @@ class S3BlobStore:
         # then the stored blob is theirs. Ceph returns no ETag on completion: nothing to
         # compare.
         stored = self.client.head_object(Bucket=self.bucket, Key=key).get("ETag")
-        if etag and stored and etag != stored:
+        if create and etag and stored and etag != stored:
             raise _RaceLost
 
     def _present(self, key: str) -> bool:
