@@ -277,3 +277,71 @@ def test_verify_repair_from_cache_and_from_file(
     blob_files(home)[0].write_bytes(b"bad")
     r = run(cli_env, "verify", "faults/a:v1", "--repair-from", str(other))
     assert r.returncode == 2 and "is not the file of artifact" in r.stderr, r.stderr
+
+
+# --- timeouts on stalled endpoints ----------------------------------------------------------
+
+@pytest.fixture
+def silent_server() -> object:
+    """A TCP server that accepts connections and never answers."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        sock.settimeout(0.5)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield sock.getsockname()[1]
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    sock.close()
+
+
+def test_stalled_s3_endpoint_fails_within_a_minute(
+        cli_env: dict[str, str], tmp_path: Path, silent_server: int) -> None:
+    import time
+
+    src = write_synthetic(tmp_path / "s.kv", tokens=100)
+    env = {**cli_env, "KVGRAFT_BLOB_URL": "s3://stalled/x",
+           "KVGRAFT_S3_ENDPOINT_URL": f"http://127.0.0.1:{silent_server}",
+           "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
+    for k in ("AWS_MAX_ATTEMPTS", "KVGRAFT_S3_READ_TIMEOUT", "KVGRAFT_S3_CONNECT_TIMEOUT"):
+        env.pop(k, None)
+    start = time.monotonic()
+    r = run(env, "push", str(src), "faults/s:v1", timeout=120)  # the defaults
+    took = time.monotonic() - start
+    assert r.returncode == 7, r.stderr
+    assert took < 60, took
+    assert f"127.0.0.1:{silent_server}" in r.stderr.splitlines()[-1]
+    assert "retrying (attempt 2 of 4)" in r.stderr
+    env.update(KVGRAFT_S3_READ_TIMEOUT="0.5", AWS_MAX_ATTEMPTS="1")
+    start = time.monotonic()
+    r = run(env, "push", str(src), "faults/s:v1", timeout=120)
+    assert r.returncode == 7 and time.monotonic() - start < 15, r.stderr
+    assert "retrying" not in r.stderr
+
+
+def test_stalled_postgres_catalog_fails_in_seconds(silent_server: int) -> None:
+    import time
+
+    from kvgraft.catalog import Catalog
+    from kvgraft.errors import Unavailable
+
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="unavailable"):
+        Catalog.open(f"postgresql+psycopg://u@127.0.0.1:{silent_server}/db")  # the default
+    assert time.monotonic() - start < 30
