@@ -318,7 +318,8 @@ def test_stalled_s3_endpoint_fails_within_a_minute(
     src = write_synthetic(tmp_path / "s.kv", tokens=100)
     env = {**cli_env, "KVGRAFT_BLOB_URL": "s3://stalled/x",
            "KVGRAFT_S3_ENDPOINT_URL": f"http://127.0.0.1:{silent_server}",
-           "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1"}
+           "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+           "AWS_DEFAULT_REGION": "us-east-1"}
     for k in ("AWS_MAX_ATTEMPTS", "KVGRAFT_S3_READ_TIMEOUT", "KVGRAFT_S3_CONNECT_TIMEOUT"):
         env.pop(k, None)
     start = time.monotonic()
