@@ -346,3 +346,15 @@ def test_stalled_postgres_catalog_fails_in_seconds(silent_server: int) -> None:
     with pytest.raises(Unavailable, match="unavailable"):
         Catalog.open(f"postgresql+psycopg://u@127.0.0.1:{silent_server}/db")  # the default
     assert time.monotonic() - start < 30
+
+
+def test_s3_timeouts_from_env() -> None:
+    from kvgraft.blobstore.s3 import S3Settings
+    from kvgraft.errors import UsageError
+
+    s = S3Settings.from_env({"KVGRAFT_S3_CONNECT_TIMEOUT": "2.5", "KVGRAFT_S3_READ_TIMEOUT": "30"})
+    config = s.botocore_config()
+    assert (config.connect_timeout, config.read_timeout) == (2.5, 30.0)
+    for bad in ("x", "0", "-1", "nan", "1e9"):
+        with pytest.raises(UsageError, match="KVGRAFT_S3_READ_TIMEOUT"):
+            S3Settings.from_env({"KVGRAFT_S3_READ_TIMEOUT": bad})
