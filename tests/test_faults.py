@@ -358,3 +358,114 @@ def test_s3_timeouts_from_env() -> None:
     for bad in ("x", "0", "-1", "nan", "1e9"):
         with pytest.raises(UsageError, match="KVGRAFT_S3_READ_TIMEOUT"):
             S3Settings.from_env({"KVGRAFT_S3_READ_TIMEOUT": bad})
+
+
+# --- output files ------------------------------------------------------------------------
+
+def test_pull_refuses_to_write_over_special_files(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path, fifo: Path) -> None:
+    import stat
+
+    targets = [fifo]
+    dev = tmp_path / "null"
+    try:  # a /dev/null of our own (needs CAP_MKNOD); never the system's
+        os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        targets.append(dev)
+    except PermissionError:
+        pass
+    for target in targets:
+        link = tmp_path / f"link-to-{target.name}"
+        link.symlink_to(target)
+        for out in (target, link):
+            r = run(cli_env, "pull", "faults/a:v1", "-o", str(out))
+            assert r.returncode == 2, r.stderr
+            assert "refusing to write over" in r.stderr
+        mode = target.stat().st_mode
+        assert stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_pull_through_a_symlink_replaces_its_target(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    real = tmp_path / "real.kv"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.kv"
+    link.symlink_to(real)
+    dangling = tmp_path / "dangling.kv"
+    dangling.symlink_to(tmp_path / "new.kv")
+    for out in (link, dangling):
+        r = run(cli_env, "pull", "faults/a:v1", "-o", str(out))
+        assert r.returncode == 0, r.stderr
+        assert out.is_symlink() and out.read_bytes() == pushed.read_bytes()
+    assert real.read_bytes() == pushed.read_bytes()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_pulled_file_honours_the_umask(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path, umask: int) -> None:
+    out = tmp_path / "out.kv"
+    r = subprocess.run([sys.executable, "-m", "kvgraft.cli", "pull", "faults/a:v1", "-o",
+                        str(out)], env=cli_env, capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: os.umask(umask))
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    out.chmod(0o640)  # an existing file keeps its mode
+    r = run(cli_env, "pull", "faults/a:v1", "-o", str(out))
+    assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o640
+
+
+def test_stale_temp_files_are_swept(cli_env: dict[str, str], tmp_path: Path,
+                                    pushed: Path) -> None:
+    home = tmp_path / "home"
+    old = time_ago(3 * 3600)
+    fan = blob_files(home)[0].parent
+    stale = [fan / ".deadbeef.abc123.tmp", tmp_path / ".out.kv.x1y2z3.tmp",
+             tmp_path / "cache" / "blobs" / ".z.q.tmp"]
+    fresh = [fan / ".cafe.def456.tmp", tmp_path / ".out.kv.fresh.tmp"]
+    for p in stale + fresh:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"partial")
+    for p in stale:
+        os.utime(p, (old, old))
+    other = tmp_path / ".other.kv.a.tmp"  # another output's temp file: not ours to touch
+    other.write_bytes(b"x")
+    os.utime(other, (old, old))
+    assert run(cli_env, "pull", "faults/a:v1", "-o", str(tmp_path / "out.kv")).returncode == 0
+    assert run(cli_env, "gc").returncode == 0
+    assert run(cli_env, "cache", "prune").returncode == 0
+    assert [p.exists() for p in stale] == [False] * len(stale)
+    assert all(p.exists() for p in fresh) and other.exists()
+
+
+def time_ago(seconds: float) -> float:
+    import time
+
+    return time.time() - seconds
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_killed_pull_leaves_no_temp_file(cli_env: dict[str, str], tmp_path: Path,
+                                         signame: str) -> None:
+    import signal
+    import time
+
+    src = write_synthetic(tmp_path / "big.kv", num_layers=16, kv_heads=4, head_dim=128,
+                          tokens=3000, seed=2)  # ~50 MB: a pull long enough to interrupt
+    assert run(cli_env, "push", str(src), "faults/big:v1").returncode == 0
+    out = tmp_path / "out" / "big.kv"
+    out.parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "kvgraft.cli", "pull", "faults/big:v1",
+                             "-o", str(out)], env=cli_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(out.parent.glob(".big.kv.*.tmp")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        pytest.skip("the pull finished before it could be interrupted")
+    sig = getattr(signal, signame)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, stderr
+    assert f"terminated by {signame}" in stderr
+    assert list(out.parent.iterdir()) == []
