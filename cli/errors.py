@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import click
@@ -20,9 +23,38 @@ def debug() -> bool:
     return os.environ.get("KVGRAFT_DEBUG", "") not in ("", "0")
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised in the main thread so that every `finally` and every
+    cleanup handler runs (temp files of a pull or push are removed) before exiting."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum: int, _frame: object) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_guarded(fn: Callable[[], Any]) -> Any:
     try:
-        return fn()
+        with _signals_raise():
+            return fn()
+    except Terminated as e:
+        _fail(f"terminated by {signal.Signals(e.signum).name}", 128 + e.signum)
     except RegistryError as e:
         _fail(f"error: {e.human()}", e.exit_code)
     except click.exceptions.Exit:

@@ -242,13 +242,30 @@ def untag(ctx: click.Context, ref: str) -> None:
 @cli.command()
 @click.argument("ref", required=False)
 @click.option("--all", "all_", is_flag=True, help="Verify every artifact in the catalog.")
+@click.option("--repair", is_flag=True,
+              help="Replace bad or missing blobs with good bytes from the local cache, "
+                   "then verify again.")
+@click.option("--repair-from", "source", type=click.Path(path_type=Path, dir_okay=False),
+              help="Like --repair, taking the bytes from FILE, the KV file REF was pushed "
+                   "from.")
 @json_option
 @click.pass_context
-def verify(ctx: click.Context, ref: str | None, all_: bool, as_json: bool) -> None:
+def verify(ctx: click.Context, ref: str | None, all_: bool, repair: bool, source: Path | None,
+           as_json: bool) -> None:
     """Re-read every blob of REF (or --all) from the store and check size and digest."""
     if (ref is None) == (not all_):
         raise UsageError("give a REF or --all (not both)")
-    reports = current_registry(ctx).verify(_ref(ref) if ref else None)
+    if source is not None and ref is None:
+        raise UsageError("--repair-from FILE repairs one REF, not --all")
+    reg = current_registry(ctx)
+    reports = reg.verify(_ref(ref) if ref else None)
+    if (repair or source is not None) and any(not r.ok for r in reports):
+        for r in reports:
+            if not r.ok:
+                left = reg.repair(r, source)
+                err(f"repaired {len(r.bad) - len(left)} of {len(r.bad)} bad blob(s) of "
+                    f"{r.artifact.short}" + (" (the rest are not in the cache)" if left else ""))
+        reports = reg.verify(_ref(ref) if ref else None)
     bad = [(r, b) for r in reports for b in r.bad]
     if as_json:
         for r in reports:

@@ -26,7 +26,7 @@ from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.codec import RawCodec, decode_blob, frame, max_stored_size
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, UsageError
-from kvgraft.fsutil import MiB, atomic_writer, read_bounded
+from kvgraft.fsutil import STALE_TEMP, MiB, atomic_writer, read_bounded, sweep_temp
 from kvgraft.manifest import Manifest
 from kvgraft.reference import Reference
 
@@ -225,9 +225,5 @@ class Cache:
             shutil.rmtree(self.root / "refs", ignore_errors=True)  # the old ref layout
         return PruneReport(dropped, blobs, freed)
 
-    def _sweep_temp(self, now: float, grace: float = 3600.0) -> None:
-        # A temp file older than an hour belongs to a writer that died.
-        for path in self.root.rglob(".*.tmp"):
-            with contextlib.suppress(OSError):
-                if now - path.stat().st_mtime > grace:
-                    path.unlink()
+    def _sweep_temp(self, now: float, grace: float = STALE_TEMP) -> None:
+        sweep_temp(self.root, recursive=True, older_than=grace)

@@ -199,6 +199,8 @@ class Registry:
                                     "bytes_stored": upload.stored_bytes})
         outcome = self.catalog.record_push(PushRecord(
             m, upload.blobs, ref.name, ref.tag, labels, event))
+        if upload.repaired:  # the rows may describe the corrupt objects' encoding
+            self.catalog.refresh_blobs(upload.repaired)
         self._ensure_blobs(m, lambda: build_artifact(path, self.store, options).blobs)
         # The push is committed: remembering it in this machine's cache is a convenience
         # (for --offline), so a full or broken cache is a warning, not a failed push.
@@ -382,6 +384,28 @@ class Registry:
                 detail={"checked": report.checked,
                         "bad": [str(b.digest) for b in report.bad]}))
         return tuple(reports)
+
+    def repair(self, report: VerifyReport, source: Path | None = None,
+               ) -> Sequence[Digest]:
+        """Replace the bad blobs of a failed verification with good bytes from `source`
+        (the pushed KV file) or the cache; returns the digests that could not be repaired
+        (verify again to see the outcome)."""
+        from kvgraft import repair
+
+        manifest = self._catalog_manifest(report.artifact)
+        bad = [b.digest for b in report.bad]
+        left: Sequence[Digest] = ()
+        if source is not None:
+            fixed = repair.from_file(manifest, source, self.store)
+        else:
+            fixed, left = repair.from_cache(manifest, bad, self.store, self.cache)
+        self.catalog.refresh_blobs(fixed)
+        self.catalog.add_event(self._event(
+            "repair", digest=report.artifact, outcome="ok" if not left else "failed",
+            detail={"source": str(source) if source else "cache",
+                    "repaired": [str(d) for d in bad if d not in left],
+                    "unrepaired": [str(d) for d in left]}))
+        return left
 
     # --- provenance, signatures, audit and gc ------------------------------------------
 

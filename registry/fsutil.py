@@ -12,6 +12,7 @@ import errno
 import os
 import stat
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -135,3 +136,61 @@ def fsync_dir(path: Path) -> None:
         pass  # some filesystems refuse fsync on directories; the rename is still atomic
     finally:
         os.close(fd)
+
+
+STALE_TEMP = 3600.0  # a temp file untouched this long belongs to a writer that died
+
+
+def temp_pattern(name: str) -> str:
+    """The glob of the temp files written beside `name` (mkstemp's `.NAME.XXXXXXXX.tmp`)."""
+    return f".{name}.*.tmp"
+
+
+def sweep_temp(directory: Path, pattern: str = ".*.tmp", *, recursive: bool = False,
+               older_than: float = STALE_TEMP) -> int:
+    """Remove regular files matching `pattern` not modified for `older_than` seconds (a
+    live writer keeps its temp file's mtime fresh); returns how many were removed."""
+    now, removed = time.time(), 0
+    try:
+        paths = list(directory.rglob(pattern) if recursive else directory.glob(pattern))
+    except OSError:
+        return 0
+    for path in paths:
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            if stat.S_ISREG(st.st_mode) and now - st.st_mtime > older_than:
+                path.unlink()
+                removed += 1
+    return removed
+
+
+def output_target(path: Path) -> tuple[Path, int | None]:
+    """Where writing the output file `path` really goes, and the mode to keep (None: a
+    new file).
+
+    A symlink is followed (as cp does): the file it points at is replaced and the link
+    stays. Anything but a regular file or a missing name is refused: renaming over a
+    device, FIFO or socket would replace it (as root, `-o /dev/null` would replace the
+    system's /dev/null)."""
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    try:
+        st = target.stat()
+    except FileNotFoundError:
+        return target, None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError(f"refusing to write over {path}: it is {_kind(st.st_mode)}",
+                         hint="give the path of a regular file")
+    return target, stat.S_IMODE(st.st_mode)
+
+
+def new_file_mode() -> int:
+    """0666 less the process umask: what open() would give a new file. The umask is read
+    from /proc where it can be: setting it to read it back is not thread-safe."""
+    with contextlib.suppress(OSError, ValueError), \
+            open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask

@@ -51,10 +51,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kvgraft.blobstore.base import BlobInfo, BlobStore
+from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.catalog import BlobRecord, Catalog, EventRecord
 from kvgraft.catalog.oci import OciTables
 from kvgraft.digest import Digest
 from kvgraft.errors import Conflict, IntegrityError, NotFound, RegistryError, UsageError
+from kvgraft.fsutil import sweep_temp
 from kvgraft.manifest import Manifest
 from kvgraft.push import existing_record
 
@@ -199,6 +201,8 @@ def execute(catalog: Catalog, store: BlobStore, gc_plan: GcPlan, event: EventRec
     blobs = [b.digest for b in p.blobs]
     for i in range(0, len(blobs), SWEEP_BATCH):
         deleted += catalog.sweep_blobs(blobs[i:i + SWEEP_BATCH], delete_blob)
+    if isinstance(store, LocalBlobStore):  # writers killed mid-put leave their temp files
+        sweep_temp(store.root / "sha256", recursive=True)
     return GcResult(p, tuple(artifacts), tuple(deleted), freed, tuple(errors))
 
 

@@ -26,7 +26,7 @@ from kvgraft.chunks import ChunkPlan, manifest_plans, scatter_many
 from kvgraft.codec import decode_blob, max_stored_size
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, NotFound, RegistryError
-from kvgraft.fsutil import fsync_dir
+from kvgraft.fsutil import fsync_dir, new_file_mode, output_target, sweep_temp, temp_pattern
 from kvgraft.kvfile import KVLayout, parse_header
 from kvgraft.manifest import BlobRef, Manifest
 
@@ -213,9 +213,15 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int =
     places: dict[Digest, list[int]] = {}
     for i, c in enumerate(manifest.chunks):
         places.setdefault(c.digest, []).append(i)
+    output, mode = output_target(output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    # Temp files of earlier pulls to this name that were killed (SIGKILL leaves them).
+    sweep_temp(output.parent, temp_pattern(output.name))
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
     try:
+        # mkstemp makes the file 0600; the output gets what a plain open() would give it
+        # (or keeps the mode of the file it replaces).
+        os.fchmod(fd, new_file_mode() if mode is None else mode)
         os.ftruncate(fd, manifest.file_size)
         os.pwrite(fd, header, 0)
         tokens, _ = fetcher.get(manifest.tokens)
@@ -254,6 +260,7 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int =
         os.fsync(fd)
         os.close(fd)
         fd = -1
+        output_target(output)  # still not a device or FIFO (it could have become one)
         os.replace(tmp, output)
     except BaseException:
         if fd >= 0:

@@ -18,7 +18,15 @@ from pathlib import Path
 from kvgraft.blobstore.base import BlobStore
 from kvgraft.catalog.records import BlobRecord
 from kvgraft.chunks import DEFAULT_CHUNK_TOKENS, MAX_CHUNK_TOKENS, ChunkPlan, gather, plan_chunks
-from kvgraft.codec import DEFAULT_CODEC, Selector, codec_selector, frame, parse_frame
+from kvgraft.codec import (
+    DEFAULT_CODEC,
+    Selector,
+    codec_selector,
+    decode_blob,
+    frame,
+    max_stored_size,
+    parse_frame,
+)
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, InvalidKVFile, NotFound, UsageError
 from kvgraft.kvfile import KVLayout, hash_file, read_layout
@@ -53,6 +61,7 @@ class Upload:
     blobs: tuple[BlobRecord, ...]
     stored: int = 0  # blobs this push wrote (the rest were already there)
     stored_bytes: int = 0
+    repaired: tuple[BlobRecord, ...] = ()  # corrupt stored blobs replaced (rows to refresh)
 
 
 def existing_record(store: BlobStore, digest: Digest, size: int) -> BlobRecord | None:
@@ -66,10 +75,26 @@ def existing_record(store: BlobStore, digest: Digest, size: int) -> BlobRecord |
     return BlobRecord(digest, size, info.stored_size, name)
 
 
+def checked_record(store: BlobStore, digest: Digest, size: int) -> BlobRecord | None:
+    """Read a stored blob back: its record if it decodes to `size` bytes hashing to
+    `digest`, None if it is corrupt (NotFound if it is gone)."""
+    try:
+        stored = store.get(digest, max_stored_size(size))
+        name, _, _ = parse_frame(stored)
+        _, data = decode_blob(stored, size)
+    except IntegrityError:
+        return None
+    return BlobRecord(digest, size, len(stored), name) if Digest.of(data) == digest else None
+
+
 class _Uploader:
+    """Stores blobs; one already present is read back and checked, and replaced with the
+    bytes in hand when it is corrupt, so pushing a file again repairs its blobs."""
+
     def __init__(self, store: BlobStore, select: Selector) -> None:
         self.store = store
         self.select = select  # the codec for each blob: the catalog row names the one used
+        self.repaired: list[BlobRecord] = []
 
     def put(self, digest: Digest, data: Buffer) -> tuple[BlobRecord, bool]:
         """Store `data` under `digest` unless present; returns its record and whether stored."""
@@ -83,15 +108,26 @@ class _Uploader:
                 stored = sum(memoryview(p).nbytes for p in parts)
                 if self.store.put(digest, parts):
                     return BlobRecord(digest, size, stored, codec.name), True
-            # Already there (or a racing writer won): describe what is actually stored.
+            # Already there (or a racing writer won): describe what is actually stored,
+            # having read it back.
             try:
-                record = existing_record(self.store, digest, size)
+                record = checked_record(self.store, digest, size)
             except NotFound:
-                record = None
+                continue
             if record is not None:
                 return record, False
+            return self._repair(digest, data), True
         raise IntegrityError(f"blob {digest} kept vanishing from {self.store.url} during the "
                              "push", hint="push again")
+
+    def _repair(self, digest: Digest, data: Buffer) -> BlobRecord:
+        codec = self.select(data)
+        parts = frame(codec, data)
+        self.store.replace(digest, parts)
+        record = BlobRecord(digest, memoryview(data).nbytes,
+                            sum(memoryview(p).nbytes for p in parts), codec.name)
+        self.repaired.append(record)
+        return record
 
 
 def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,
@@ -132,7 +168,8 @@ def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,
                          BlobRef(extra[1][0].digest, len(tokens)))
     unique = {r.digest: r for r, _ in records}
     new = [r for r, stored in records if stored]
-    return Upload(manifest, tuple(unique.values()), len(new), sum(r.stored_size for r in new))
+    return Upload(manifest, tuple(unique.values()), len(new), sum(r.stored_size for r in new),
+                  tuple(uploader.repaired))
 
 
 def _stamp(file: str | Path | int) -> tuple[int, int, int, int]:

@@ -206,3 +206,266 @@ def test_cache_failure_after_the_commit_is_a_warning(
     assert "warning: caching faults/b:v1 failed" in r.stderr
     r = run(cli_env, "ls", "--json")
     assert '"faults/b"' in r.stdout
+
+
+# --- repair ------------------------------------------------------------------------------
+
+def corrupt(store: object, digest: object, data: bytes) -> None:
+    """Replace a stored blob's bytes behind the store's back, on any backend."""
+    from kvgraft.blobstore.local import LocalBlobStore
+    from kvgraft.blobstore.memory import MemoryBlobStore
+    from kvgraft.blobstore.s3 import S3BlobStore
+    from kvgraft.digest import Digest
+
+    assert isinstance(digest, Digest)
+    if isinstance(store, MemoryBlobStore):
+        store.corrupt(digest, data)
+    elif isinstance(store, S3BlobStore):
+        store.client.put_object(Bucket=store.bucket, Key=store._key(digest), Body=data)
+    else:
+        assert isinstance(store, LocalBlobStore)
+        path = store._path(digest)
+        path.unlink()
+        path.write_bytes(data)
+
+
+@pytest.fixture
+def repo(make_registry: object, store_url: str, tmp_path: Path) -> object:
+    reg = make_registry(blob_url=store_url)  # type: ignore[operator]
+    yield reg
+    reg.close()
+
+
+def test_push_again_repairs_a_corrupt_blob(repo: object, tmp_path: Path) -> None:
+    from kvgraft.client import Registry
+
+    reg = repo
+    assert isinstance(reg, Registry)
+    src = write_synthetic(tmp_path / "r.kv", tokens=600, seed=11)
+    first = reg.push(src, "faults/r:v1")
+    m = reg.manifest(first.digest)
+    victims = [m.chunks[0].digest, m.header.digest]
+    stored = reg.store.get(victims[0])
+    corrupt(reg.store, victims[0], stored[:-1] + bytes([stored[-1] ^ 1]))  # one bit
+    corrupt(reg.store, victims[1], b"garbage")
+    assert {b.digest for b in reg.verify("faults/r:v1")[0].bad} == set(victims)
+    again = reg.push(src, "faults/r:v1")
+    assert again.blobs_stored == 2 and again.bytes_stored > 0
+    assert reg.verify("faults/r:v1")[0].ok  # catalog rows describe the new objects too
+    out = tmp_path / "out.kv"
+    reg.pull("faults/r:v1", out)
+    assert out.read_bytes() == src.read_bytes()
+
+
+def test_verify_repair_from_cache_and_from_file(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    home = tmp_path / "home"
+    r = run(cli_env, "pull", "faults/a:v1")  # fills the cache
+    assert r.returncode == 0, r.stderr
+    for source in (["--repair"], ["--repair-from", str(pushed)]):
+        blobs = blob_files(home)
+        blobs[0].unlink()
+        blobs[0].symlink_to("/dev/zero")
+        blobs[1].write_bytes(b"KVGB garbage")
+        r = run(cli_env, "verify", "faults/a:v1")
+        assert r.returncode == 4, r.stderr
+        r = run(cli_env, "verify", "faults/a:v1", *source)
+        assert r.returncode == 0, (source, r.stderr)
+        assert "repaired 2 of 2" in r.stderr
+        assert not blobs[0].is_symlink()
+    other = write_synthetic(tmp_path / "other.kv", tokens=100, seed=4)
+    blob_files(home)[0].write_bytes(b"bad")
+    r = run(cli_env, "verify", "faults/a:v1", "--repair-from", str(other))
+    assert r.returncode == 2 and "is not the file of artifact" in r.stderr, r.stderr
+
+
+# --- timeouts on stalled endpoints ----------------------------------------------------------
+
+@pytest.fixture
+def silent_server() -> object:
+    """A TCP server that accepts connections and never answers."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        sock.settimeout(0.5)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield sock.getsockname()[1]
+    stop.set()
+    t.join()
+    for c in held:
+        c.close()
+    sock.close()
+
+
+def test_stalled_s3_endpoint_fails_within_a_minute(
+        cli_env: dict[str, str], tmp_path: Path, silent_server: int) -> None:
+    import time
+
+    src = write_synthetic(tmp_path / "s.kv", tokens=100)
+    env = {**cli_env, "KVGRAFT_BLOB_URL": "s3://stalled/x",
+           "KVGRAFT_S3_ENDPOINT_URL": f"http://127.0.0.1:{silent_server}",
+           "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    for k in ("AWS_MAX_ATTEMPTS", "KVGRAFT_S3_READ_TIMEOUT", "KVGRAFT_S3_CONNECT_TIMEOUT"):
+        env.pop(k, None)
+    start = time.monotonic()
+    r = run(env, "push", str(src), "faults/s:v1", timeout=120)  # the defaults
+    took = time.monotonic() - start
+    assert r.returncode == 7, r.stderr
+    assert took < 60, took
+    assert f"127.0.0.1:{silent_server}" in r.stderr.splitlines()[-1]
+    assert "retrying (attempt 2 of 4)" in r.stderr
+    env.update(KVGRAFT_S3_READ_TIMEOUT="0.5", AWS_MAX_ATTEMPTS="1")
+    start = time.monotonic()
+    r = run(env, "push", str(src), "faults/s:v1", timeout=120)
+    assert r.returncode == 7 and time.monotonic() - start < 15, r.stderr
+    assert "retrying" not in r.stderr
+
+
+def test_stalled_postgres_catalog_fails_in_seconds(silent_server: int) -> None:
+    import time
+
+    from kvgraft.catalog import Catalog
+    from kvgraft.errors import Unavailable
+
+    start = time.monotonic()
+    with pytest.raises(Unavailable, match="unavailable"):
+        Catalog.open(f"postgresql+psycopg://u@127.0.0.1:{silent_server}/db")  # the default
+    assert time.monotonic() - start < 30
+
+
+def test_s3_timeouts_from_env() -> None:
+    from kvgraft.blobstore.s3 import S3Settings
+    from kvgraft.errors import UsageError
+
+    s = S3Settings.from_env({"KVGRAFT_S3_CONNECT_TIMEOUT": "2.5", "KVGRAFT_S3_READ_TIMEOUT": "30"})
+    config = s.botocore_config()
+    assert (config.connect_timeout, config.read_timeout) == (2.5, 30.0)
+    for bad in ("x", "0", "-1", "nan", "1e9"):
+        with pytest.raises(UsageError, match="KVGRAFT_S3_READ_TIMEOUT"):
+            S3Settings.from_env({"KVGRAFT_S3_READ_TIMEOUT": bad})
+
+
+# --- output files ------------------------------------------------------------------------
+
+def test_pull_refuses_to_write_over_special_files(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path, fifo: Path) -> None:
+    import stat
+
+    targets = [fifo]
+    dev = tmp_path / "null"
+    try:  # a /dev/null of our own (needs CAP_MKNOD); never the system's
+        os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        targets.append(dev)
+    except PermissionError:
+        pass
+    for target in targets:
+        link = tmp_path / f"link-to-{target.name}"
+        link.symlink_to(target)
+        for out in (target, link):
+            r = run(cli_env, "pull", "faults/a:v1", "-o", str(out))
+            assert r.returncode == 2, r.stderr
+            assert "refusing to write over" in r.stderr
+        mode = target.stat().st_mode
+        assert stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_pull_through_a_symlink_replaces_its_target(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path) -> None:
+    real = tmp_path / "real.kv"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.kv"
+    link.symlink_to(real)
+    dangling = tmp_path / "dangling.kv"
+    dangling.symlink_to(tmp_path / "new.kv")
+    for out in (link, dangling):
+        r = run(cli_env, "pull", "faults/a:v1", "-o", str(out))
+        assert r.returncode == 0, r.stderr
+        assert out.is_symlink() and out.read_bytes() == pushed.read_bytes()
+    assert real.read_bytes() == pushed.read_bytes()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_pulled_file_honours_the_umask(
+        cli_env: dict[str, str], tmp_path: Path, pushed: Path, umask: int) -> None:
+    out = tmp_path / "out.kv"
+    r = subprocess.run([sys.executable, "-m", "kvgraft.cli", "pull", "faults/a:v1", "-o",
+                        str(out)], env=cli_env, capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: os.umask(umask))
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask
+    out.chmod(0o640)  # an existing file keeps its mode
+    r = run(cli_env, "pull", "faults/a:v1", "-o", str(out))
+    assert r.returncode == 0 and out.stat().st_mode & 0o777 == 0o640
+
+
+def test_stale_temp_files_are_swept(cli_env: dict[str, str], tmp_path: Path,
+                                    pushed: Path) -> None:
+    home = tmp_path / "home"
+    old = time_ago(3 * 3600)
+    fan = blob_files(home)[0].parent
+    stale = [fan / ".deadbeef.abc123.tmp", tmp_path / ".out.kv.x1y2z3.tmp",
+             tmp_path / "cache" / "blobs" / ".z.q.tmp"]
+    fresh = [fan / ".cafe.def456.tmp", tmp_path / ".out.kv.fresh.tmp"]
+    for p in stale + fresh:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"partial")
+    for p in stale:
+        os.utime(p, (old, old))
+    other = tmp_path / ".other.kv.a.tmp"  # another output's temp file: not ours to touch
+    other.write_bytes(b"x")
+    os.utime(other, (old, old))
+    assert run(cli_env, "pull", "faults/a:v1", "-o", str(tmp_path / "out.kv")).returncode == 0
+    assert run(cli_env, "gc").returncode == 0
+    assert run(cli_env, "cache", "prune").returncode == 0
+    assert [p.exists() for p in stale] == [False] * len(stale)
+    assert all(p.exists() for p in fresh) and other.exists()
+
+
+def time_ago(seconds: float) -> float:
+    import time
+
+    return time.time() - seconds
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
+def test_killed_pull_leaves_no_temp_file(cli_env: dict[str, str], tmp_path: Path,
+                                         signame: str) -> None:
+    import signal
+    import time
+
+    src = write_synthetic(tmp_path / "big.kv", num_layers=16, kv_heads=4, head_dim=128,
+                          tokens=3000, seed=2)  # ~50 MB: a pull long enough to interrupt
+    assert run(cli_env, "push", str(src), "faults/big:v1").returncode == 0
+    out = tmp_path / "out" / "big.kv"
+    out.parent.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "kvgraft.cli", "pull", "faults/big:v1",
+                             "-o", str(out)], env=cli_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(out.parent.glob(".big.kv.*.tmp")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        pytest.skip("the pull finished before it could be interrupted")
+    sig = getattr(signal, signame)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, stderr
+    assert f"terminated by {signame}" in stderr
+    assert list(out.parent.iterdir()) == []

@@ -39,6 +39,12 @@ class BlobStore(Protocol):
         """
         ...
 
+    def replace(self, digest: Digest, parts: Sequence[Buffer]) -> None:
+        """Atomically overwrite the blob under `digest` with `parts` (repair). Only for a
+        caller that found the stored blob corrupt or missing and holds bytes that decode
+        to `digest`: readers see the old or the new blob, never a mix."""
+        ...
+
     def get(self, digest: Digest, max_size: int | None = None) -> bytes:
         """The whole stored blob (blobs are chunk-sized); NotFound if absent.
 

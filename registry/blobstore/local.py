@@ -10,7 +10,7 @@ from typing import BinaryIO
 from kvgraft.blobstore.base import BlobInfo, blob_path, too_large
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, NotFound, Unavailable, UsageError
-from kvgraft.fsutil import create_exclusive, open_regular
+from kvgraft.fsutil import atomic_writer, create_exclusive, open_regular
 
 
 def _failed(action: str, path: Path, e: OSError) -> Unavailable:
@@ -60,6 +60,16 @@ class LocalBlobStore:
             return create_exclusive(target, parts, durable=self.durable)
         except OSError as e:
             raise _failed("write blob", target, e) from None
+
+    def replace(self, digest: Digest, parts: Sequence[Buffer]) -> None:
+        # rename() swaps the directory entry (even a symlink planted there) atomically;
+        # open readers keep the old inode.
+        try:
+            with atomic_writer(self._path(digest), durable=self.durable) as f:
+                for p in parts:
+                    f.write(p)
+        except OSError as e:
+            raise Unavailable(f"cannot repair blob {digest} under {self.root}: {e}") from None
 
     def get(self, digest: Digest, max_size: int | None = None) -> bytes:
         fd, st = self._open(digest)

@@ -41,6 +41,10 @@ class MemoryBlobStore:
             self._blobs[digest] = (data, time.time())
         return True
 
+    def replace(self, digest: Digest, parts: Sequence[Buffer]) -> None:
+        with _LOCK:
+            self._blobs[digest] = (b"".join(parts), time.time())
+
     def get(self, digest: Digest, max_size: int | None = None) -> bytes:
         entry = self._blobs.get(digest)
         if entry is None:

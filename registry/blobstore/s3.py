@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import threading
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 T = TypeVar("T")
+_log = logging.getLogger("kvgraft.s3")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _HEX = re.compile(r"[0-9a-f]+")
 Addressing = Literal["path", "virtual", "auto"]
@@ -68,19 +70,35 @@ def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 1) -> i
     return value
 
 
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not 0 < value <= 3600:
+        raise UsageError(f"{name} must be between 0 and 3600 seconds, got {raw!r}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class S3Settings:
     """How the store talks to S3; `from_env` documents each variable."""
 
     endpoint_url: str | None = None  # None: boto3's own resolution (AWS_ENDPOINT_URL_S3, …)
     addressing: Addressing = "auto"
-    max_attempts: int = 5  # including the first try
+    # A stalled endpoint fails within a minute by default: 4 attempts of at most
+    # connect 5 s + read 10 s each, plus standard-mode backoff (< 8 s in all). The read
+    # timeout bounds each wait for the next bytes, not a whole transfer.
+    max_attempts: int = 4  # including the first try
     retry_mode: RetryMode = "standard"
     multipart_threshold: int = 16 * MiB
     part_size: int = 8 * MiB
     concurrency: int = 8  # parts in flight for one large blob
-    connect_timeout: float = 10.0
-    read_timeout: float = 60.0
+    connect_timeout: float = 5.0
+    read_timeout: float = 10.0
     # Readers hash every blob against its SHA-256 key, so validating the server's CRC on
     # each GET only repeats that check; uploads keep botocore's checksums (the server
     # verifies them, catching corruption in transit before it is stored for good).
@@ -106,7 +124,8 @@ class S3Settings:
         """KVGRAFT_S3_ENDPOINT_URL (wins over AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, which
         boto3 reads itself), KVGRAFT_S3_ADDRESSING=path|virtual|auto (default path when an
         endpoint is configured: S3-compatible servers rarely have wildcard DNS),
-        AWS_MAX_ATTEMPTS / AWS_RETRY_MODE (botocore's names), KVGRAFT_S3_MULTIPART_MIB,
+        AWS_MAX_ATTEMPTS / AWS_RETRY_MODE (botocore's names), KVGRAFT_S3_CONNECT_TIMEOUT /
+        KVGRAFT_S3_READ_TIMEOUT (seconds), KVGRAFT_S3_MULTIPART_MIB,
         KVGRAFT_S3_PART_MIB, KVGRAFT_S3_CONCURRENCY, AWS_RESPONSE_CHECKSUM_VALIDATION."""
         env = os.environ if env is None else env
         endpoint = env.get("KVGRAFT_S3_ENDPOINT_URL") or None
@@ -117,7 +136,9 @@ class S3Settings:
             # Validated in __post_init__, which names the variable's allowed values.
             addressing=cast(Addressing, env.get("KVGRAFT_S3_ADDRESSING")
                             or ("path" if custom else "auto")),
-            max_attempts=_int(env, "AWS_MAX_ATTEMPTS", 5),
+            max_attempts=_int(env, "AWS_MAX_ATTEMPTS", 4),
+            connect_timeout=_seconds(env, "KVGRAFT_S3_CONNECT_TIMEOUT", 5.0),
+            read_timeout=_seconds(env, "KVGRAFT_S3_READ_TIMEOUT", 10.0),
             retry_mode=cast(RetryMode, env.get("AWS_RETRY_MODE") or "standard"),
             multipart_threshold=max(_int(env, "KVGRAFT_S3_MULTIPART_MIB", 16, 5) * MiB, part),
             part_size=part,
@@ -245,6 +266,7 @@ class S3BlobStore:
                               hint="check KVGRAFT_S3_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 "
                                    "and AWS_DEFAULT_REGION") from None
         self.endpoint = self.client.meta.endpoint_url
+        self.client.meta.events.register("needs-retry.s3", self._say_retry)
         self._checked = False
         self._lock = threading.Lock()
 
@@ -266,6 +288,15 @@ class S3BlobStore:
         return f"{self.prefix}/{path}" if self.prefix else path
 
     # --- errors ------------------------------------------------------------------------
+
+    def _say_retry(self, attempts: int, caught_exception: Exception | None = None,
+                   **_: Any) -> None:
+        """Say so when a request to the endpoint failed and botocore will try again, so a
+        stalled endpoint is not silence until the final error."""
+        if isinstance(caught_exception, _NETWORK) and attempts < self.settings.max_attempts:
+            _log.warning("kvgraft: S3 endpoint %s: %s; retrying (attempt %d of %d)",
+                         self.endpoint, caught_exception, attempts + 1,
+                         self.settings.max_attempts)
 
     def _fail(self, e: Exception, action: str) -> NoReturn:
         where = f"bucket {self.bucket!r} at {self.endpoint}"
@@ -440,13 +471,32 @@ class S3BlobStore:
         raise Unavailable(f"S3 bucket {self.bucket!r} at {self.endpoint} kept refusing to "
                           f"store blob {digest} (concurrent writes)", hint="retry the push")
 
-    def _put_single(self, digest: Digest, parts: Sequence[Buffer], size: int) -> None:
+    def replace(self, digest: Digest, parts: Sequence[Buffer]) -> None:
+        """Overwrite a blob the caller found corrupt (or missing) with good bytes.
+
+        Unconditional on purpose: the conditional create would keep the bad object. Every
+        writer of a digest writes bytes that decode to it, so racing repairs all leave a
+        good object, and a reader sees the old or the new object whole (ranged reads of a
+        large one are pinned to one ETag)."""
+        size = sum(memoryview(p).nbytes for p in parts)
+        if size < self.settings.multipart_threshold:
+            self._call(f"repair blob {digest}",
+                       lambda: self._put_single(digest, parts, size, create=False))
+        else:
+            self._call(f"repair blob {digest}",
+                       lambda: self._put_multipart(digest, parts, size, create=False))
+
+    def _put_single(self, digest: Digest, parts: Sequence[Buffer], size: int, *,
+                    create: bool = True) -> None:
+        condition: dict[str, Any] = {"IfNoneMatch": "*"} if create else {}
         with _race_errors():
             self.client.put_object(Bucket=self.bucket, Key=self._key(digest),
                                    Body=cast(IO[bytes], _PartsReader(parts)), ContentLength=size,
-                                   IfNoneMatch="*")
+                                   **condition)
 
-    def _put_multipart(self, digest: Digest, parts: Sequence[Buffer], size: int) -> None:
+    def _put_multipart(self, digest: Digest, parts: Sequence[Buffer], size: int, *,
+                       create: bool = True) -> None:
+        condition: dict[str, Any] = {"IfNoneMatch": "*"} if create else {}
         key = self._key(digest)
         upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
         step = self.settings.part_size
@@ -471,12 +521,12 @@ class S3BlobStore:
             # Some servers (SeaweedFS 4.x) check If-None-Match on completion without
             # serialising concurrent completions, so a writer that finished first is
             # looked for here and again below; on AWS the condition alone suffices.
-            if self._present(key):
+            if create and self._present(key):
                 raise _RaceLost
             with _race_errors():
                 etag = self.client.complete_multipart_upload(
                     Bucket=self.bucket, Key=key, UploadId=upload_id,
-                    MultipartUpload={"Parts": done}, IfNoneMatch="*").get("ETag")
+                    MultipartUpload={"Parts": done}, **condition).get("ETag")
         except BaseException:
             # Uploaded parts are invisible but billed until aborted.
             # If even the abort fails, a lifecycle rule for incomplete uploads cleans up.
@@ -489,7 +539,7 @@ class S3BlobStore:
         # then the stored blob is theirs. Ceph returns no ETag on completion: nothing to
         # compare.
         stored = self.client.head_object(Bucket=self.bucket, Key=key).get("ETag")
-        if etag and stored and etag != stored:
+        if create and etag and stored and etag != stored:
             raise _RaceLost
 
     def _present(self, key: str) -> bool:

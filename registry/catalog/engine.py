@@ -17,6 +17,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from kvgraft.errors import MissingExtra, Unavailable, UsageError
 
 SQLITE_BUSY_MS = 30_000
+PG_CONNECT_TIMEOUT = 10  # seconds
 SQLITE_MAGIC = b"SQLite format 3\x00"
 RESTORE_HINT = ("restore it from a backup, or move it aside to start an empty catalog "
                 "(then run gc only with --allow-empty-catalog, once you are sure the store "
@@ -42,7 +43,11 @@ def make_engine(url: str) -> Engine:
             return _sqlite_engine(url, parsed.database)
         if backend == "postgresql":
             try:
-                return create_engine(url, pool_pre_ping=True)
+                # A catalog that accepts connections and never answers fails with exit 7
+                # instead of hanging; `?connect_timeout=N` in the URL overrides it.
+                args = {} if "connect_timeout" in parsed.query else \
+                    {"connect_timeout": PG_CONNECT_TIMEOUT}
+                return create_engine(url, pool_pre_ping=True, connect_args=args)
             except ModuleNotFoundError:
                 raise MissingExtra("a PostgreSQL catalog", "postgres") from None
     except NoSuchModuleError:
