@@ -263,10 +263,13 @@ class Registry:
                                            digest=digest, detail=detail))
         return digest, stats
 
-    def list(self, pattern: str | None = None) -> tuple[TagRecord, ...]:
+    def list(self, pattern: str | None = None, *,
+             problems: list[str] | None = None) -> tuple[TagRecord, ...]:
+        """Tags whose repository matches the shell glob `pattern` (`*`, `?`, `[seq]`,
+        `[!seq]`). With `problems`, damaged tag rows are reported there, not raised."""
         if pattern and not any(ch in pattern for ch in "*?["):
             check_name(pattern)
-        tags = self.catalog.list_tags(pattern.replace("[", "?") if pattern else None)
+        tags = self.catalog.list_tags(pattern, problems=problems)
         if pattern:
             tags = tuple(t for t in tags if fnmatch.fnmatchcase(t.repository, pattern))
         return tags
@@ -288,15 +291,31 @@ class Registry:
         digests = [self.resolve(ref)] if ref is not None else self.catalog.artifact_digests()
         reports = []
         for digest in digests:
-            manifest = Manifest.parse(self.catalog.artifact(digest).manifest, digest)
-            records = self.catalog.blob_records(b.digest for b in manifest.blobs())
-            report = verify_artifact(manifest, self.store, records, workers=workers)
+            try:  # a tampered manifest is reported with the rest, never ends the run
+                manifest = self._catalog_manifest(digest)
+            except IntegrityError as e:
+                report = VerifyReport(digest, 0, 0, (), (e.message,))
+            else:
+                records = self.catalog.blob_records(b.digest for b in manifest.blobs())
+                report = verify_artifact(manifest, self.store, records, workers=workers)
             reports.append(report)
             self.catalog.add_event(self._event(
                 "verify", digest=digest, outcome="ok" if report.ok else "failed",
                 detail={"checked": report.checked,
-                        "bad": [str(b.digest) for b in report.bad]}))
+                        "bad": [str(b.digest) for b in report.bad],
+                        "problems": list(report.problems)}))
         return tuple(reports)
+
+    def verify_tags(self) -> tuple[str, ...]:
+        """Every tag that does not lead to an artifact: a malformed digest, or one the
+        catalog holds no artifact for (the foreign key can be switched off in SQLite)."""
+        problems: list[str] = []
+        known = set(self.catalog.artifact_digests())
+        for t in self.catalog.list_tags(problems=problems):
+            if t.digest not in known:
+                problems.append(f"tag {t.repository}:{t.tag} points at {t.digest}, which is "
+                                "not in the catalog")
+        return tuple(problems)
 
     # --- provenance, signatures, audit and gc ------------------------------------------
 
