@@ -230,8 +230,8 @@ def verify(ctx: click.Context, ref: str | None, all_: bool, as_json: bool) -> No
             emit_json({"digest": str(r.artifact), "ok": r.ok, "checked": r.checked,
                        "checked_bytes": r.checked_bytes, "problems": list(r.problems),
                        "bad": [{"digest": str(b.digest), "reason": b.reason} for b in r.bad]})
-        if all_:
-            emit_json({"tags": "all", "ok": not tag_problems, "problems": list(tag_problems)})
+        for p in tag_problems:  # one line per damaged tag, after the artifacts
+            emit_json({"ok": False, "problem": p})
     else:
         for r in reports:
             state = "ok" if r.ok else "; ".join(

@@ -61,7 +61,8 @@ def test_verify_all_reports_every_tampered_manifest_and_dangling_tag(
     assert set(by_digest) == {a, b, c}
     assert not by_digest[a]["ok"] and not by_digest[c]["ok"] and by_digest[b]["ok"]
     assert "manifest" in by_digest[a]["problems"][0]
-    assert lines[-1]["tags"] == "all" and not lines[-1]["ok"]
+    assert lines[-1] == {"ok": False, "problem": f"tag t/b:v1 points at {ghost}, which is "
+                                                 "not in the catalog"}
     assert a[7:19] in r.stderr and c[7:19] in r.stderr and "t/b:v1" in r.stderr
     assert "3 problem(s)" in r.stderr
 
