@@ -232,6 +232,9 @@ def _print_audit(ref: str, r: AuditReport) -> None:
         row(e.action, f"{when} {e.actor} {e.outcome}")
     head = r.chain.head
     row("chain", f"{r.chain.events} events, head {head[0]} {head[1]}" if head else "empty")
+    if head:  # the chain cannot show its newest events deleted together
+        row("", "record this head elsewhere: a later audit finding an older head has "
+                "found deleted events")
     echo("result: " + ("ok" if r.ok else f"{len(r.failures)} problem(s)"))
     for f in r.failures:
         echo(f"  - {f}")

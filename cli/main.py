@@ -177,16 +177,20 @@ def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str
 @json_option
 @click.pass_context
 def ls(ctx: click.Context, pattern: str | None, as_json: bool) -> None:
-    """List tagged artifacts, optionally those whose name matches PATTERN (* and ?)."""
-    tags = current_registry(ctx).list(pattern)
+    """List tagged artifacts, optionally those whose name matches the shell glob PATTERN
+    (* any characters, ? one, [ab] one of a or b, [!ab] any other; quote it)."""
+    problems: list[str] = []
+    tags = current_registry(ctx).list(pattern, problems=problems)
     if as_json:
         for t in tags:
             emit_json({"repository": t.repository, "tag": t.tag, "digest": str(t.digest),
                        "updated_at": t.updated_at.isoformat()})
-        return
-    emit_table(["NAME", "TAG", "DIGEST", "UPDATED"],
-               [(t.repository, t.tag, t.digest.short, t.updated_at.strftime("%Y-%m-%d %H:%M"))
-                for t in tags])
+    else:
+        emit_table(["NAME", "TAG", "DIGEST", "UPDATED"],
+                   [(t.repository, t.tag, t.digest.short,
+                     t.updated_at.strftime("%Y-%m-%d %H:%M")) for t in tags])
+    if problems:  # listed what is sound; the damaged rows still fail the command
+        raise IntegrityError(f"{len(problems)} damaged tag(s): " + "; ".join(problems))
 
 
 @cli.command()
@@ -266,19 +270,28 @@ def verify(ctx: click.Context, ref: str | None, all_: bool, repair: bool, source
                 err(f"repaired {len(r.bad) - len(left)} of {len(r.bad)} bad blob(s) of "
                     f"{r.artifact.short}" + (" (the rest are not in the cache)" if left else ""))
         reports = reg.verify(_ref(ref) if ref else None)
-    bad = [(r, b) for r in reports for b in r.bad]
+    tag_problems = reg.verify_tags() if all_ else ()
+    failures = [f"{r.artifact.short}: {p}" for r in reports for p in r.problems]
+    failures += [f"blob {b.digest} of {r.artifact.short}: {b.reason}"
+                 for r in reports for b in r.bad]
+    failures += list(tag_problems)
     if as_json:
         for r in reports:
             emit_json({"digest": str(r.artifact), "ok": r.ok, "checked": r.checked,
-                       "checked_bytes": r.checked_bytes,
+                       "checked_bytes": r.checked_bytes, "problems": list(r.problems),
                        "bad": [{"digest": str(b.digest), "reason": b.reason} for b in r.bad]})
+        for p in tag_problems:  # one line per damaged tag, after the artifacts
+            emit_json({"ok": False, "problem": p})
     else:
         for r in reports:
-            state = "ok" if r.ok else f"{len(r.bad)} bad blob(s)"
-            click.echo(f"{r.artifact}  {r.checked} blobs, {human_bytes(r.checked_bytes)}: {state}")
-    if bad:
-        names = "; ".join(f"blob {b.digest} of {r.artifact.short}: {b.reason}" for r, b in bad)
-        raise IntegrityError(f"verification failed: {names}")
+            state = "ok" if r.ok else "; ".join(
+                [*r.problems] + ([f"{len(r.bad)} bad blob(s)"] if r.bad else []))
+            echo(f"{r.artifact}  {r.checked} blobs, {human_bytes(r.checked_bytes)}: {state}")
+        for p in tag_problems:
+            echo(p)
+    if failures:
+        raise IntegrityError(f"verification failed ({len(failures)} problem(s)): "
+                             + "; ".join(failures))
 
 
 @cli.group()

@@ -151,6 +151,7 @@ def audit(catalog: Catalog, store: BlobStore, digest: Digest,
                  for s in statuses if not s.ok]
     chain = catalog.event_chain()
     failures += [f"event log: {p.message}" for p in chain.problems]
+    failures += [f"event log: {p}" for p in catalog.event_trigger_problems()]
     return AuditReport(digest, record, manifest, manifest_problem, provenance,
                        parents or (), tuple(catalog.children(digest)), tuple(statuses), blobs,
                        tuple(events), chain, tuple(failures))

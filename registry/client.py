@@ -344,13 +344,16 @@ class Registry:
                                            digest=digest, detail=detail))
         return digest, stats
 
-    def list(self, pattern: str | None = None) -> tuple[TagRecord, ...]:
+    def list(self, pattern: str | None = None, *,
+             problems: list[str] | None = None) -> tuple[TagRecord, ...]:
+        """Tags whose repository matches the shell glob `pattern` (`*`, `?`, `[seq]`,
+        `[!seq]`). With `problems`, damaged tag rows are reported there, not raised."""
         if pattern and not any(ch in pattern for ch in "*?["):
             check_name(pattern)
         if self.config.embedded and "catalog" not in self.__dict__ and \
                 not (self.config.home / "catalog.db").exists():
             return ()  # a registry never written to: listing it should not create it
-        tags = self.catalog.list_tags(pattern.replace("[", "?") if pattern else None)
+        tags = self.catalog.list_tags(pattern, problems=problems)
         if pattern:
             tags = tuple(t for t in tags if fnmatch.fnmatchcase(t.repository, pattern))
         return tags
@@ -369,20 +372,24 @@ class Registry:
 
     def verify(self, ref: Reference | str | None = None, *, workers: int = 2,
                ) -> tuple[VerifyReport, ...]:
-        from kvgraft.manifest import Manifest
-        from kvgraft.verify import verify_artifact
+        from kvgraft.verify import VerifyReport, verify_artifact
 
         digests = [self.resolve(ref)] if ref is not None else self.catalog.artifact_digests()
         reports = []
         for digest in digests:
-            manifest = Manifest.parse(self.catalog.artifact(digest).manifest, digest)
-            records = self.catalog.blob_records(b.digest for b in manifest.blobs())
-            report = verify_artifact(manifest, self.store, records, workers=workers)
+            try:  # a tampered manifest is reported with the rest, never ends the run
+                manifest = self._catalog_manifest(digest)
+            except IntegrityError as e:
+                report = VerifyReport(digest, 0, 0, (), (e.message,))
+            else:
+                records = self.catalog.blob_records(b.digest for b in manifest.blobs())
+                report = verify_artifact(manifest, self.store, records, workers=workers)
             reports.append(report)
             self.catalog.add_event(self._event(
                 "verify", digest=digest, outcome="ok" if report.ok else "failed",
                 detail={"checked": report.checked,
-                        "bad": [str(b.digest) for b in report.bad]}))
+                        "bad": [str(b.digest) for b in report.bad],
+                        "problems": list(report.problems)}))
         return tuple(reports)
 
     def repair(self, report: VerifyReport, source: Path | None = None,
@@ -406,6 +413,17 @@ class Registry:
                     "repaired": [str(d) for d in bad if d not in left],
                     "unrepaired": [str(d) for d in left]}))
         return left
+
+    def verify_tags(self) -> tuple[str, ...]:
+        """Every tag that does not lead to an artifact: a malformed digest, or one the
+        catalog holds no artifact for (the foreign key can be switched off in SQLite)."""
+        problems: list[str] = []
+        known = set(self.catalog.artifact_digests())
+        for t in self.catalog.list_tags(problems=problems):
+            if t.digest not in known:
+                problems.append(f"tag {t.repository}:{t.tag} points at {t.digest}, which is "
+                                "not in the catalog")
+        return tuple(problems)
 
     # --- provenance, signatures, audit and gc ------------------------------------------
 

@@ -52,7 +52,12 @@ class Config:
 
 
 def default_catalog_url(home: Path) -> str:
-    return f"sqlite:///{(home / 'catalog.db').absolute()}"
+    """Built, not formatted: a home holding '%41', '?mode=ro', '#' or '@' must name that
+    very directory, not be decoded or read as URL query parameters."""
+    from sqlalchemy.engine import URL
+
+    path = str((home / "catalog.db").absolute())
+    return URL.create("sqlite", database=path).render_as_string(hide_password=False)
 
 
 def actor() -> tuple[str, str]:

@@ -27,10 +27,11 @@ class VerifyReport:
     checked: int
     checked_bytes: int
     bad: tuple[BadBlob, ...]
+    problems: tuple[str, ...] = ()  # about the artifact itself (its manifest), not a blob
 
     @property
     def ok(self) -> bool:
-        return not self.bad
+        return not self.bad and not self.problems
 
 
 def _check(store: BlobStore, ref: BlobRef, record: BlobRecord | None) -> BadBlob | None:

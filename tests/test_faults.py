@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgraft.sample import write_synthetic
+from tests.synthetic import write_synthetic
 
 
 def run(env: dict[str, str], *args: str, timeout: float = 120,

@@ -110,6 +110,14 @@ def test_stored_blob_names_its_codec(make_registry: RegistryFactory, tmp_path: P
 
 
 
+def test_missing_blob_is_reported(make_registry: RegistryFactory, tmp_path: Path) -> None:
+    reg = make_registry()
+    digest = reg.push(write_synthetic(tmp_path / "a.kv"), "t/a").digest
+    victim = reg.manifest(digest).chunks[0].digest
+    reg.store.delete(victim)
+    assert "missing" in reg.verify("t/a")[0].bad[0].reason
+    with pytest.raises(IntegrityError, match="missing from"):  # lost data: exit 4, as verify
+        make_registry(cache_dir=tmp_path / "c2").pull("t/a", tmp_path / "o.kv")
 
 
 def test_second_pull_transfers_nothing(make_registry: RegistryFactory, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -41,8 +42,11 @@ from kvgraft.catalog.records import (
     stored_digest,
 )
 from kvgraft.digest import Digest, canonical_json
-from kvgraft.errors import CatalogOutdated, NotFound, Unavailable
+from kvgraft.errors import CatalogOutdated, IntegrityError, NotFound, Unavailable
 from kvgraft.reference import Reference
+
+# fnmatch's character set: `[`, an optional `!`, then up to the first `]` after one char.
+_BRACKET = re.compile(r"\[!?.[^\]]*\]")
 
 
 def _now() -> datetime:
@@ -292,20 +296,34 @@ class Catalog:
         return row
 
     @staticmethod
-    def _tags(s: Session, query: Select[TagRow]) -> tuple[TagRecord, ...]:
-        return tuple(TagRecord(t.repository, t.tag, stored_digest(t.artifact_digest, "tags"),
-                               aware(t.updated_at))
-                     for t in s.scalars(query.order_by(TagRow.repository, TagRow.tag)))
+    def _tags(s: Session, query: Select[TagRow],
+              problems: list[str] | None = None) -> tuple[TagRecord, ...]:
+        """With `problems`, a tag row holding a malformed digest is reported there and
+        skipped, so one damaged row does not hide every other tag; without, it raises."""
+        out = []
+        for t in s.scalars(query.order_by(TagRow.repository, TagRow.tag)):
+            try:
+                digest = stored_digest(t.artifact_digest, "tags", f"tag {t.repository}:{t.tag}")
+            except IntegrityError as e:
+                if problems is None:
+                    raise
+                problems.append(e.message)
+                continue
+            out.append(TagRecord(t.repository, t.tag, digest, aware(t.updated_at)))
+        return tuple(out)
 
-    def list_tags(self, pattern: str | None = None) -> tuple[TagRecord, ...]:
-        """Tags whose repository matches a shell-style pattern (`*` and `?`)."""
+    def list_tags(self, pattern: str | None = None, *,
+                  problems: list[str] | None = None) -> tuple[TagRecord, ...]:
+        """Tags whose repository may match the shell-style `pattern`: `*`, `?` and `[...]`
+        narrow the SQL query; the caller applies the exact glob (fnmatch) to the rows."""
         q = select(TagRow)
         if pattern:
             like = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            like = _BRACKET.sub("?", like)  # a [set] is one character; fnmatch decides which
             like = like.replace("*", "%").replace("?", "_")
             q = q.where(TagRow.repository.like(like, escape="\\"))
         with self._session() as s:
-            return self._tags(s, q)
+            return self._tags(s, q, problems)
 
     def blob_records(self, digests: Iterable[Digest]) -> dict[Digest, BlobRecord]:
         keys = [str(d) for d in digests]
@@ -347,6 +365,13 @@ class Catalog:
         """Check the whole event log's hash chain."""
         with self._session() as s:
             return chain.check_chain(chain.read_chain(s))
+
+    def event_trigger_problems(self) -> list[str]:
+        """Missing or disabled append-only triggers on the event log."""
+        from kvgraft.catalog.triggers import trigger_problems
+
+        with self._session() as s:
+            return trigger_problems(s)
 
     def attestation_digests(self, digest: Digest) -> dict[int, str]:
         """The statement digest recorded beside each attestation of `digest` when stored."""

@@ -19,13 +19,15 @@ def aware(t: datetime) -> datetime:
     return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
-def stored_digest(text: str, table: str) -> Digest:
+def stored_digest(text: str, table: str, row: str = "") -> Digest:
     """A digest read back from the catalog's `table`. One that does not parse means the
     catalog was damaged behind kvgraft's back: an integrity failure, not a bad request."""
     try:
         return Digest.parse(text)
     except UsageError:
-        raise IntegrityError(f"the catalog's {table} table holds a corrupt digest {text!r}",
+        where = f" ({row})" if row else ""
+        raise IntegrityError(f"the catalog's {table} table holds a malformed digest "
+                             f"{text!r}{where}",
                              hint="it was changed outside kvgraft; restore it from a backup"
                              ) from None
 
