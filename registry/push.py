@@ -35,6 +35,7 @@ from kvgraft.prefix import prefix_keys
 
 Progress = Callable[[int], None]
 _AGAIN = "push it again once nothing is writing to it"
+UPLOADS_AHEAD = 4  # encoded chunks being sent while the workers encode the next ones
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,23 @@ class _Uploader:
         self.store = store
         self.select = select  # the codec for each blob: the catalog row names the one used
         self.repaired: list[BlobRecord] = []
+
+    def prepare(self, digest: Digest, data: Buffer) -> Callable[[], tuple[BlobRecord, bool]]:
+        """The CPU half of `put`: look for the blob and encode it if missing; returns the
+        network half, to run on another thread (it may still refer to `data`)."""
+        if self.store.exists(digest):
+            return lambda: self.put(digest, data)
+        size = memoryview(data).nbytes
+        codec = self.select(data)
+        parts = frame(codec, data)
+        stored = sum(memoryview(p).nbytes for p in parts)
+
+        def upload() -> tuple[BlobRecord, bool]:
+            if self.store.put(digest, parts):
+                return BlobRecord(digest, size, stored, codec.name), True
+            return self.put(digest, data)  # a racing writer won: describe theirs
+
+        return upload
 
     def put(self, digest: Digest, data: Buffer) -> tuple[BlobRecord, bool]:
         """Store `data` under `digest` unless present; returns its record and whether stored."""
@@ -182,35 +200,47 @@ def _upload_chunks(fd: int, plans: Sequence[ChunkPlan], keys: Sequence[Digest],
                    progress: Progress | None,
                    ) -> tuple[list[tuple[BlobRecord, bool]], list[ChunkRef]]:
     buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-    for _ in range(options.window):
+    for _ in range(options.window + UPLOADS_AHEAD):
         buffers.put(bytearray())  # reused: fresh large buffers cost page faults
 
-    def work(plan: ChunkPlan) -> tuple[BlobRecord, bool]:
+    def work(plan: ChunkPlan) -> Future[tuple[BlobRecord, bool]]:
         buf = buffers.get()
         try:
             payload = gather(fd, plan, buf)
-            return uploader.put(Digest.of(payload), payload)
-        finally:
+            upload = uploader.prepare(Digest.of(payload), payload)
+        except BaseException:
             buffers.put(buf)
+            raise
+
+        def send() -> tuple[BlobRecord, bool]:
+            try:
+                return upload()
+            finally:
+                buffers.put(buf)  # the encoded parts may be views of it until now
+
+        return uploads.submit(send)
 
     records: list[tuple[BlobRecord, bool]] = []
     refs: list[ChunkRef] = []
-    pending: list[tuple[ChunkPlan, Future[tuple[BlobRecord, bool]]]] = []
+    pending: list[tuple[ChunkPlan, Future[Future[tuple[BlobRecord, bool]]]]] = []
 
     def drain(keep: int) -> None:
         while len(pending) > keep:
             plan, fut = pending.pop(0)
-            rec, stored = fut.result()
+            rec, stored = fut.result().result()
             records.append((rec, stored))
             refs.append(ChunkRef(plan.index, plan.start, plan.end, rec.digest, rec.size,
                                  keys[plan.index]))
             if progress:
                 progress(plan.size)
 
-    for plan in plans:
-        drain(options.window - 1)
-        pending.append((plan, pool.submit(work, plan)))
-    drain(0)
+    # The uploads run on threads of their own: a PUT mostly waits on the network, and while
+    # the encoding workers also did the sending the link idled whenever they all encoded.
+    with ThreadPoolExecutor(UPLOADS_AHEAD, thread_name_prefix="kvgraft-upload") as uploads:
+        for plan in plans:
+            drain(options.window + UPLOADS_AHEAD - 1)
+            pending.append((plan, pool.submit(work, plan)))
+        drain(0)
     return records, refs
 
 
