@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvgraft.digest import Digest
-from kvgraft.identity import canonical_json
+from kvgraft.digest import Digest, canonical_json
 from kvgraft.manifest import MEDIA_TYPE as KVGRAFT_MANIFEST
 from kvgraft.manifest import Manifest
 from kvgraft.server.content import EMPTY_DIGEST, EMPTY_JSON

@@ -80,7 +80,7 @@ def artifact(request: Request, ctx: Context) -> dict[str, Any]:
     _require(request, ctx, ref.name, "pull")
     digest = ctx.registry.catalog.resolve(ref)
     record = ctx.registry.catalog.artifact(digest)
-    out = ctx.registry.inspect(ref.with_digest(digest)).to_json()
+    out = ctx.registry.inspect(Reference(ref.name, digest=digest)).to_json()
     # Only what this caller may see: other repositories holding the graft stay hidden.
     principal = request.state.principal
     visible = [r for r in record.repositories if principal.may(ctx.settings, r, "pull")]

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.requests import Request
 
 from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.errors import MissingExtra
+from kvgraft.server import auth
 from kvgraft.server.app import create_app
 from kvgraft.server.settings import ServerSettings
 
@@ -39,16 +42,26 @@ def _decode(text: str) -> tuple[Config, ServerSettings]:
 def app_from_env() -> Starlette:
     """The application a uvicorn worker serves (`--factory`)."""
     config, settings = _decode(os.environ[ENV])
-    return create_app(lambda: Registry(config), settings, extra_routes=_extra_routes())
+    app = create_app(lambda: Registry(config), settings)
+    # The pages need the worker's Registry, which exists once the app has started.
+    app.router.routes.extend(_web_routes(app, settings))
+    return app
 
 
-def _extra_routes() -> list[Any]:
-    """The web pages, where that module is installed."""
+def _web_routes(app: Starlette, settings: ServerSettings) -> list[Any]:
+    """The web pages, where that module is installed, showing each viewer only the
+    repositories its token may pull."""
     try:
-        from kvgraft.server import web  # type: ignore[attr-defined]
+        from kvgraft.server import web
     except ImportError:
         return []
-    routes: list[Any] = web.web_routes()
+
+    def access(request: Request) -> Callable[[str], bool]:
+        # AuthRefused is a PermissionError: the page answers it with a sign-in challenge.
+        principal = auth.authenticate(request, app.state.ctx.tokens)
+        return lambda repository: principal.may(settings, repository, "pull")
+
+    routes: list[Any] = web.web_routes(lambda: app.state.ctx.registry, access=access)
     return routes
 
 
