@@ -10,15 +10,17 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from kvgraft.sample import write_synthetic
 from tests.conftest import unavailable
-from tests.server import Server, kvgraft, make_token, running_server, server_env
+from tests.server import Server, free_port, kvgraft, make_token, running_server, server_env
 
 TEAM = "team/kv"
 GRAFT_TYPE = "application/vnd.kvgraft.graft.v1"
@@ -103,8 +105,140 @@ def test_skopeo_is_refused_without_the_scope(server: Server, tmp_path: Path) -> 
     assert not (tmp_path / "x" / "index.json").exists()
 
 
-def _json(out: str) -> Any:
-    return json.loads(out.splitlines()[-1])
+# --- kvgraft copy into a stock OCI registry and back ------------------------------------
 
 
-_ = sys  # used below by the mirroring tests
+@pytest.fixture(scope="module")
+def distribution(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """CNCF Distribution (Debian's docker-registry) on loopback: (host:port, storage root)."""
+    binary = _tool("docker-registry")
+    root = tmp_path_factory.mktemp("distribution")
+    port = free_port()
+    config = root / "config.yml"
+    config.write_text(f"""version: 0.1
+log:
+  level: warn
+storage:
+  filesystem:
+    rootdirectory: {root / 'storage'}
+  delete:
+    enabled: true
+http:
+  addr: 127.0.0.1:{port}
+""")
+    log = root / "registry.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([binary, "serve", str(config)], stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "docker-registry did not start"
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}", root / "storage"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvgraft.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def _json(out: subprocess.CompletedProcess[str]) -> Any:
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_copy_mirrors_a_graft_into_distribution_and_back_byte_identical(
+        server: Server, distribution: tuple[str, Path], graft_file: Path,
+        tmp_path: Path) -> None:
+    hostport, _ = distribution
+    mirror = f"oci+http://{hostport}/mirror/team/kv:v1"
+    out = _json(_cli(server.env, "copy", f"{TEAM}:v1", mirror, "--json"))
+    assert out["blobs_copied"] == out["blobs"] > 4 and out["bytes_copied"] > 0
+    # The mirror holds the very manifest `kvgraft serve` renders for the graft.
+    token = make_token(server.env, "mirror-check", f"repository:{TEAM}:pull")
+    served = requests.get(f"{server.url}/v2/{TEAM}/manifests/v1",
+                          headers={"Authorization": f"Bearer {token}"})
+    mirrored = requests.get(f"http://{hostport}/v2/mirror/team/kv/manifests/v1",
+                            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    assert mirrored.status_code == 200 and mirrored.content == served.content
+    assert out["oci_digest"] == served.headers["Docker-Content-Digest"] \
+        == mirrored.headers["Docker-Content-Digest"]
+    again = _json(_cli(server.env, "copy", f"{TEAM}:v1", mirror, "--json"))
+    assert again["blobs_copied"] == 0 and again["digest"] == out["digest"]
+
+    env = server_env(tmp_path / "back")
+    back = _json(_cli(env, "copy", mirror, "team/kv:back", "--json"))
+    assert back["digest"] == out["digest"] and back["blobs_copied"] == back["blobs"]
+    pulled = tmp_path / "pulled.safetensors"
+    assert _cli(env, "pull", "team/kv:back", "--output", str(pulled)).returncode == 0
+    assert _sha256(pulled) == _sha256(graft_file)
+    assert _cli(env, "verify", "team/kv:back").returncode == 0
+    assert _json(_cli(env, "copy", mirror, "team/kv:again", "--json"))["blobs_copied"] == 0
+
+
+def test_copy_back_refuses_a_tampered_mirror_and_stores_nothing(
+        server: Server, distribution: tuple[str, Path], tmp_path: Path) -> None:
+    hostport, storage = distribution
+    mirror = f"oci+http://{hostport}/tamper/kv:v1"
+    _json(_cli(server.env, "copy", f"{TEAM}:v1", mirror, "--json"))
+    oci = requests.get(f"http://{hostport}/v2/tamper/kv/manifests/v1",
+                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}).json()
+    chunk = oci["layers"][-1]["digest"].split(":")[1]
+    data = storage / "docker/registry/v2/blobs/sha256" / chunk[:2] / chunk / "data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    try:
+        env = server_env(tmp_path / "back")
+        out = _cli(env, "copy", mirror, "team/kv:bad")
+        assert out.returncode == 4, out.stderr
+        assert "digest mismatch" in out.stderr and "Traceback" not in out.stderr
+        assert _cli(env, "ls", "--json").stdout.strip() == ""
+    finally:
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+
+
+def test_copy_to_an_oci_registry_fails_with_typed_exit_codes(
+        server: Server, distribution: tuple[str, Path], tmp_path: Path) -> None:
+    closed = free_port()
+    out = _cli(server.env, "copy", f"{TEAM}:v1", f"oci+http://127.0.0.1:{closed}/x/kv:v1")
+    assert out.returncode == 7 and "cannot reach" in out.stderr, out.stderr
+    hostport, _ = distribution
+    out = _cli(server_env(tmp_path / "h"), "copy", f"oci+http://{hostport}/none/kv:v1", "a:b")
+    assert out.returncode == 3, out.stderr
+    out = _cli(server.env, "copy", f"{TEAM}:v1", "ftp://host/x:y")
+    assert out.returncode == 2, out.stderr
+
+
+def test_copy_through_kvgraft_serve_as_an_oci_registry_with_scoped_tokens(
+        server: Server, graft_file: Path, tmp_path: Path) -> None:
+    """`kvgraft serve` is an OCI registry too: the token flow, and a refused scope is 8."""
+    reader = tmp_path / "reader"
+    reader.write_text(make_token(server.env, "oci-reader", "repository:*:pull") + "\n")
+    writer = tmp_path / "writer"
+    writer.write_text(make_token(server.env, "oci-writer", "repository:mirror/*:pull,push"))
+    target = f"oci+http://127.0.0.1:{server.port}/mirror/kv:v1"
+    out = _cli(server.env, "copy", f"{TEAM}:v1", target, "--token-file", str(reader))
+    assert out.returncode == 8 and "denied" in out.stderr, out.stderr
+    out = _cli(server.env, "copy", f"{TEAM}:v1", target)
+    assert out.returncode == 8, out.stderr
+    sent = _json(_cli(server.env, "copy", f"{TEAM}:v1", target, "--token-file", str(writer),
+                      "--json"))
+    env = server_env(tmp_path / "back")
+    back = _json(_cli(env, "copy", target, "team/kv:v1", "--token-file", str(reader),
+                      "--json"))
+    assert back["digest"] == sent["digest"] and back["oci_digest"] == sent["oci_digest"]
+    pulled = tmp_path / "pulled.safetensors"
+    assert _cli(env, "pull", "team/kv:v1", "--output", str(pulled)).returncode == 0
+    assert _sha256(pulled) == _sha256(graft_file)
