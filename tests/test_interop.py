@@ -242,3 +242,27 @@ def test_copy_through_kvgraft_serve_as_an_oci_registry_with_scoped_tokens(
     pulled = tmp_path / "pulled.safetensors"
     assert _cli(env, "pull", "team/kv:v1", "--output", str(pulled)).returncode == 0
     assert _sha256(pulled) == _sha256(graft_file)
+
+
+def test_copy_back_refuses_an_oci_artifact_that_is_not_a_graft(
+        distribution: tuple[str, Path], tmp_path: Path) -> None:
+    hostport, _ = distribution
+    base = f"http://{hostport}/v2/plain/image"
+    config = b"{}"
+    digest = "sha256:" + hashlib.sha256(config).hexdigest()
+    loc = requests.post(f"{base}/blobs/uploads/").headers["Location"]
+    put = requests.put(loc, params={"digest": digest}, data=config,
+                       headers={"Content-Type": "application/octet-stream"})
+    assert put.status_code == 201, put.text
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.empty.v1+json",
+                           "digest": digest, "size": 2},
+                "layers": [{"mediaType": "application/vnd.oci.empty.v1+json",
+                            "digest": digest, "size": 2}]}
+    r = requests.put(f"{base}/manifests/v1", data=json.dumps(manifest),
+                     headers={"Content-Type": manifest["mediaType"]})
+    assert r.status_code == 201, r.text
+    env = server_env(tmp_path / "home")
+    out = _cli(env, "copy", f"oci+http://{hostport}/plain/image:v1", "plain/image:v1")
+    assert out.returncode == 4 and "not a kvgraft graft" in out.stderr, out.stderr
+    assert _cli(env, "ls", "--json").stdout.strip() == ""
