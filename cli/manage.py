@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -12,6 +13,9 @@ from kvgraft.config import Config
 from kvgraft.errors import UsageError
 from kvgraft.reference import Reference
 from kvgraft.remotes import Remote, add_remote, load_remotes, remove_remote
+
+if TYPE_CHECKING:
+    from kvgraft.client import Registry
 
 
 @click.group()
@@ -64,13 +68,23 @@ def remote_rm(ctx: click.Context, name: str) -> None:
 @click.command("copy")
 @click.argument("src")
 @click.argument("dst")
+@click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="The token or password for an OCI registry side (oci://…).")
+@click.option("--username", default="kvgraft", show_default=True,
+              help="The user name sent with --token-file (Basic credentials).")
 @json_option
 @click.pass_context
-def copy(ctx: click.Context, src: str, dst: str, as_json: bool) -> None:
+def copy(ctx: click.Context, src: str, dst: str, token_file: Path | None, username: str,
+         as_json: bool) -> None:
     """Copy SRC (a reference in the current registry) to DST (REMOTE/name[:tag]).
 
-    Only blobs the target lacks are transferred."""
+    Only blobs the target lacks are transferred. Either side may be an OCI registry,
+    oci://host[:port]/repository[:tag] (oci+http:// for plain HTTP): DST mirrors the graft
+    there; SRC copies a mirrored graft back into the current registry as DST (name[:tag])."""
     reg = current_registry(ctx)
+    if "://" in src or "://" in dst:
+        _copy_oci(reg, src, dst, token_file, username, as_json)
+        return
     remote_name, slash, rest = dst.partition("/")
     if not slash or not rest:
         raise UsageError(f"the target is REMOTE/name[:tag], got {dst!r}")
@@ -89,6 +103,38 @@ def copy(ctx: click.Context, src: str, dst: str, as_json: bool) -> None:
     err(f"copied {src} to {dst}: {stats.copied} of {len(stats.blobs)} blobs transferred "
         f"({human_bytes(stats.copied_bytes)})")
     click.echo(str(digest))
+
+
+def _copy_oci(reg: Registry, src: str, dst: str, token_file: Path | None, username: str,
+              as_json: bool) -> None:
+    from kvgraft.fsutil import read_bounded
+    from kvgraft.ocidist import Credentials, OciClient, OciLocation
+    from kvgraft.ocimirror import pull_graft, push_graft
+
+    if "://" in src and "://" in dst:
+        raise UsageError("one side of the copy is the current registry",
+                         hint="copy from the OCI registry into it, then out to the other")
+    creds = None
+    if token_file is not None:
+        secret = read_bounded(token_file, 4096, "token file").decode("utf-8", "replace")
+        creds = Credentials(username, secret.strip())
+    loc = OciLocation.parse(dst if "://" in dst else src)
+    client = OciClient(loc.registry_url, creds)
+    try:
+        if "://" in dst:
+            stats = push_graft(reg, Reference.parse(src), client, loc)
+        else:
+            stats = pull_graft(client, loc, reg, Reference.parse(dst))
+    finally:
+        client.close()
+    if as_json:
+        emit_json({"digest": str(stats.digest), "oci_digest": str(stats.oci_digest),
+                   "target": dst, "blobs_copied": stats.copied,
+                   "bytes_copied": stats.copied_bytes, "blobs": stats.blobs})
+        return
+    err(f"copied {src} to {dst}: {stats.copied} of {stats.blobs} blobs transferred "
+        f"({human_bytes(stats.copied_bytes)}); OCI manifest {stats.oci_digest}")
+    click.echo(str(stats.digest))
 
 
 @click.group()

@@ -8,18 +8,10 @@ from pathlib import Path
 import click
 
 from kvgraft.catalog.tokens import TokenTable
+from kvgraft.cli.common import current_registry, json_option
 from kvgraft.cli.output import emit_json, emit_table, err
-from kvgraft.client import Registry
 from kvgraft.server.settings import ServerSettings
 from kvgraft.tokens import new_secret, parse_duration, parse_scopes, secret_hash
-
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-
-
-def _registry(ctx: click.Context) -> Registry:
-    reg: Registry = ctx.find_object(Registry)  # type: ignore[assignment]
-    return reg
-
 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -46,7 +38,7 @@ def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path
 
     if (certfile is None) != (keyfile is None):
         raise UsageError("--certfile and --keyfile go together")
-    config = _registry(ctx).config
+    config = current_registry(ctx).config
     settings = ServerSettings(upload_dir=(upload_dir or config.home / "uploads").absolute(),
                               public=public, max_upload_bytes=max_upload,
                               max_open_uploads=max_open_uploads)
@@ -69,7 +61,7 @@ def token() -> None:
 def token_create(ctx: click.Context, scopes: tuple[str, ...], name: str | None,
                  expires: str | None, as_json: bool) -> None:
     """Create a token and print its secret, once."""
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     parsed = parse_scopes(scopes)
     table = TokenTable(reg.catalog)
     expires_at = datetime.now(UTC) + parse_duration(expires) if expires else None
@@ -92,7 +84,7 @@ def token_create(ctx: click.Context, scopes: tuple[str, ...], name: str | None,
 def token_ls(ctx: click.Context, as_json: bool) -> None:
     """List tokens (never their secrets)."""
     now = datetime.now(UTC)
-    tokens = TokenTable(_registry(ctx).catalog).list()
+    tokens = TokenTable(current_registry(ctx).catalog).list()
     if as_json:
         for t in tokens:
             emit_json(t.to_json(now))
@@ -108,7 +100,7 @@ def token_ls(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def token_revoke(ctx: click.Context, name: str) -> None:
     """Revoke a token: the server refuses it from its next request on."""
-    reg = _registry(ctx)
+    reg = current_registry(ctx)
     TokenTable(reg.catalog).revoke(name)
     reg.catalog.add_event(reg._event("token-revoke", detail={"token": name}))
     err(f"token {name!r} revoked")
