@@ -13,6 +13,7 @@ from kvgraft.cli.output import emit_json, emit_table, err
 from kvgraft.server.settings import ServerSettings
 from kvgraft.tokens import new_secret, parse_duration, parse_scopes, secret_hash
 
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=5000, show_default=True)
