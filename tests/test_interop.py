@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import requests
 
-from kvgraft.sample import write_synthetic
 from tests.conftest import unavailable
 from tests.server import Server, free_port, kvgraft, make_token, running_server, server_env
+from tests.synthetic import write_synthetic
 
 TEAM = "team/kv"
 GRAFT_TYPE = "application/vnd.kvgraft.graft.v1"
