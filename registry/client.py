@@ -35,10 +35,6 @@ if TYPE_CHECKING:
     from kvgraft.verify import VerifyReport
 
 _LABEL_KEY_MAX = 255
-# Parsed manifests, remembered per process: a digest names immutable content (a manifest
-# is kept only after it hashed to its digest), and schema validation costs more than the
-# rest of a small graft's load.
-_MANIFESTS: dict[Digest, Manifest] = {}
 _MANIFESTS_MAX = 64
 
 
@@ -104,6 +100,10 @@ class Registry:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.user, self.host = actor()
+        # Parsed manifests: a digest names immutable content (one is kept only after it
+        # hashed to its digest), and schema validation costs more than the rest of a small
+        # graft's load.
+        self._manifests: dict[Digest, Manifest] = {}
 
     @classmethod
     def from_env(cls, *, remote: str | None = None, **overrides: object) -> Registry:
@@ -194,12 +194,12 @@ class Registry:
         return self.catalog.resolve(ref)
 
     def manifest(self, digest: Digest) -> Manifest:
-        manifest = _MANIFESTS.get(digest)
+        manifest = self._manifests.get(digest)
         if manifest is None:
             manifest = self._read_manifest(digest)
-            if len(_MANIFESTS) >= _MANIFESTS_MAX:
-                _MANIFESTS.pop(next(iter(_MANIFESTS)))
-            _MANIFESTS[digest] = manifest
+            if len(self._manifests) >= _MANIFESTS_MAX:
+                self._manifests.pop(next(iter(self._manifests)))
+            self._manifests[digest] = manifest
         return manifest
 
     def _read_manifest(self, digest: Digest) -> Manifest:
