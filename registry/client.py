@@ -436,6 +436,11 @@ class Registry:
         fidelity check itself: it is what produces a verification, so require_verified
         does not apply to it (a signature requirement still does). A refusal is
         PolicyRefused (exit 4), recorded as an `action` event with outcome "refused"."""
+        from kvgraft.remotes import load_document
+
+        if not require_signed_by and not require_verified and \
+                not load_document(self.config.home).get("policy"):
+            return  # nothing to enforce: the signature machinery need not even load
         from kvgraft.provenance import PolicyRefused, load_policy
         from kvgraft.provenance import require_signed_by as signed_check
         from kvgraft.provenance import require_verified as verified_check
