@@ -84,3 +84,18 @@ def test_version_and_defaults_agree_with_their_sources() -> None:
     assert all(name in out for name in push_codec_names())
     r = runner.invoke(cli, ["push", "x.kv", "a/b", "--codec", "nope"])
     assert r.exit_code == 2 and "nope" in r.output
+
+
+def test_pull_without_a_policy_does_not_load_the_signature_machinery(
+        cli_env: dict[str, str], tmp_path: Path) -> None:
+    from kvgraft.sample import write_synthetic
+
+    src = write_synthetic(tmp_path / "a.kv", tokens=50)
+    assert CliRunner(env=cli_env).invoke(cli, ["push", str(src), "t/a:v1"]).exit_code == 0
+    names = imported(cli_env, "pull", "t/a:v1")
+    assert heavy(names, ("securesystemslib", "cryptography", "boto3", "torch")) == set()
+    # With a policy table the checks run (and refuse this unsigned artifact).
+    (Path(cli_env["KVGRAFT_HOME"]) / "config.toml").write_text(
+        '[policy]\nrequire_signed_by = ["' + "ab" * 32 + '"]\n')
+    r = CliRunner(env=cli_env).invoke(cli, ["pull", "t/a:v1"])
+    assert r.exit_code == 4, r.output
