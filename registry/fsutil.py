@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import os
 import stat
 import tempfile
@@ -143,7 +144,7 @@ STALE_TEMP = 3600.0  # a temp file untouched this long belongs to a writer that 
 
 def temp_pattern(name: str) -> str:
     """The glob of the temp files written beside `name` (mkstemp's `.NAME.XXXXXXXX.tmp`)."""
-    return f".{name}.*.tmp"
+    return f".{glob.escape(name)}.*.tmp"
 
 
 def sweep_temp(directory: Path, pattern: str = ".*.tmp", *, recursive: bool = False,

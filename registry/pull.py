@@ -125,7 +125,7 @@ def verify_stored(ref: BlobRef, stored: Buffer, where: str,
     except IntegrityError as e:
         raise IntegrityError(
             f"blob {ref.digest} in {where} is corrupt: {e.message}",
-            hint="run `kvgraft verify --all`; re-push the file to repair") from None
+            hint="repair: `kvgraft verify REF --repair`, or push the file again") from None
     return data
 
 

@@ -67,4 +67,4 @@ def too_large(digest: Digest, where: str, size: int, max_size: int) -> Exception
 
     return IntegrityError(f"blob {digest} in {where} is corrupt: {size} stored bytes, "
                           f"at most {max_size} expected",
-                          hint="run `kvgraft verify --all`; re-push the file to repair")
+                          hint="repair: `kvgraft verify REF --repair`, or push the file again")
