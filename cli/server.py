@@ -4,14 +4,25 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from kvgraft.catalog.tokens import TokenTable
 from kvgraft.cli.common import current_registry, json_option
 from kvgraft.cli.output import emit_json, emit_table, err
 from kvgraft.server.settings import ServerSettings
 from kvgraft.tokens import new_secret, parse_duration, parse_scopes, secret_hash
+
+if TYPE_CHECKING:
+    from kvgraft.catalog import Catalog
+    from kvgraft.catalog.tokens import TokenTable
+
+
+def _tokens(catalog: Catalog) -> TokenTable:
+    # Imported here: `kvgraft --help` reads this module and must not load SQLAlchemy.
+    from kvgraft.catalog.tokens import TokenTable
+
+    return TokenTable(catalog)
 
 
 @click.command()
@@ -64,7 +75,7 @@ def token_create(ctx: click.Context, scopes: tuple[str, ...], name: str | None,
     """Create a token and print its secret, once."""
     reg = current_registry(ctx)
     parsed = parse_scopes(scopes)
-    table = TokenTable(reg.catalog)
+    table = _tokens(reg.catalog)
     expires_at = datetime.now(UTC) + parse_duration(expires) if expires else None
     name = name or f"token-{len(table.list()) + 1}"
     secret = new_secret()
@@ -85,7 +96,7 @@ def token_create(ctx: click.Context, scopes: tuple[str, ...], name: str | None,
 def token_ls(ctx: click.Context, as_json: bool) -> None:
     """List tokens (never their secrets)."""
     now = datetime.now(UTC)
-    tokens = TokenTable(current_registry(ctx).catalog).list()
+    tokens = _tokens(current_registry(ctx).catalog).list()
     if as_json:
         for t in tokens:
             emit_json(t.to_json(now))
@@ -102,7 +113,7 @@ def token_ls(ctx: click.Context, as_json: bool) -> None:
 def token_revoke(ctx: click.Context, name: str) -> None:
     """Revoke a token: the server refuses it from its next request on."""
     reg = current_registry(ctx)
-    TokenTable(reg.catalog).revoke(name)
+    _tokens(reg.catalog).revoke(name)
     reg.catalog.add_event(reg._event("token-revoke", detail={"token": name}))
     err(f"token {name!r} revoked")
 

@@ -8,6 +8,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +54,11 @@ class Config:
 
 def default_catalog_url(home: Path) -> str:
     """Built, not formatted: a home holding '%41', '?mode=ro', '#' or '@' must name that
-    very directory, not be decoded or read as URL query parameters."""
-    from sqlalchemy.engine import URL
-
+    very directory, not be decoded or read as URL query parameters. Every character but '/'
+    is percent-encoded, which SQLAlchemy's URL parser decodes back to the same path (tested);
+    quoting here keeps SQLAlchemy out of commands that never open the catalog."""
     path = str((home / "catalog.db").absolute())
-    return URL.create("sqlite", database=path).render_as_string(hide_password=False)
+    return "sqlite:///" + quote(path, safe="/")
 
 
 def actor() -> tuple[str, str]:

@@ -76,7 +76,19 @@ class Fetcher:
             # Another process may have fetched it while we waited for the lock.
             if self.cache.has(ref.digest):
                 return None
-            return self.store.get(ref.digest)
+            return self._stored(self.store, ref)
+
+    @staticmethod
+    def _stored(store: BlobStore, ref: BlobRef) -> bytes:
+        """The stored bytes of `ref`, read no further than its codec's bound allows."""
+        try:
+            return store.get(ref.digest, max_stored_size(ref.size))
+        except NotFound:
+            # The catalog promises this blob: its absence is lost data (exit 4, as in
+            # verify), not a reference the user got wrong (exit 3).
+            raise IntegrityError(f"blob {ref.digest} is missing from {store.url}",
+                                 hint="run `kvgraft verify --all`; re-push the file "
+                                      "to repair") from None
 
     def get(self, ref: BlobRef, into: Buffer | None = None,
             downloaded: bytes | None = None) -> tuple[Buffer, int]:
@@ -101,14 +113,7 @@ class Fetcher:
             if data is not None:
                 self._count(0)
                 return data, 0
-            try:
-                stored = self.store.get(ref.digest, max_stored_size(ref.size))
-            except NotFound:
-                # The catalog promises this blob: its absence is lost data (exit 4, as in
-                # verify), not a reference the user got wrong (exit 3).
-                raise IntegrityError(f"blob {ref.digest} is missing from {self.store.url}",
-                                     hint="run `kvgraft verify --all`; re-push the file "
-                                          "to repair") from None
+            stored = self._stored(self.store, ref)
             data = verify_stored(ref, stored, self.store.url, into)
             self.cache.put_stored(ref.digest, stored)
         self._count(len(stored))

@@ -88,7 +88,7 @@ def test_version_and_defaults_agree_with_their_sources() -> None:
 
 def test_pull_without_a_policy_does_not_load_the_signature_machinery(
         cli_env: dict[str, str], tmp_path: Path) -> None:
-    from kvgraft.sample import write_synthetic
+    from tests.synthetic import write_synthetic
 
     src = write_synthetic(tmp_path / "a.kv", tokens=50)
     assert CliRunner(env=cli_env).invoke(cli, ["push", str(src), "t/a:v1"]).exit_code == 0
