@@ -272,9 +272,12 @@ class _LibZstd:
             raise zstandard.ZstdError(f"zstd: {name}")
         return code
 
+    # Every cffi view of a Python buffer is released on the way out (the `with`s), error or
+    # not: one left to the garbage collector keeps its memoryview exported, and collecting
+    # such a cycle at exit crashed the interpreter after a corrupt blob was refused.
     def compress_into(self, src: U8Array, dst: U8Array) -> int | None:
-        code: int = _lib.ZSTD_compress2(self._cctx, _ffi.from_buffer(dst), dst.size,
-                                        _ffi.from_buffer(src), src.size)
+        with _ffi.from_buffer(dst) as target, _ffi.from_buffer(src) as source:
+            code: int = _lib.ZSTD_compress2(self._cctx, target, dst.size, source, src.size)
         if _lib.ZSTD_isError(code):
             if _lib.ZSTD_getErrorCode(code) == _lib.ZSTD_error_dstSize_tooSmall:
                 return None
@@ -283,22 +286,26 @@ class _LibZstd:
 
     def decompress_into(self, src: memoryview, dst: U8Array) -> None:
         n = dst.size
-        source = _ffi.from_buffer(src)
-        declared = _lib.ZSTD_getFrameContentSize(source, src.nbytes)
+        with _ffi.from_buffer(src) as source, _ffi.from_buffer(dst) as target:
+            problem = self._decompress(source, src.nbytes, target, n)
+        if problem is not None:
+            raise IntegrityError(problem)
+
+    def _decompress(self, source: Any, size: int, target: Any, n: int) -> str | None:
+        declared = _lib.ZSTD_getFrameContentSize(source, size)
         if declared >= _lib.ZSTD_CONTENTSIZE_ERROR:  # no frame, or no size in it
-            raise IntegrityError("corrupt zstd plane: no frame with a content size")
+            return "corrupt zstd plane: no frame with a content size"
         if declared != n:
-            raise IntegrityError(f"zstd plane declares {declared} bytes, expected {n}")
-        if _lib.ZSTD_findFrameCompressedSize(source, src.nbytes) != src.nbytes:
+            return f"zstd plane declares {declared} bytes, expected {n}"
+        if _lib.ZSTD_findFrameCompressedSize(source, size) != size:
             # A second frame after the first, or a frame cut short.
-            raise IntegrityError("corrupt zstd plane: not exactly one frame")
-        code = _lib.ZSTD_decompressDCtx(self._dctx, _ffi.from_buffer(dst), n, source,
-                                        src.nbytes)
+            return "corrupt zstd plane: not exactly one frame"
+        code = _lib.ZSTD_decompressDCtx(self._dctx, target, n, source, size)
         if _lib.ZSTD_isError(code):
-            name = _ffi.string(_lib.ZSTD_getErrorName(code)).decode()
-            raise IntegrityError(f"corrupt zstd plane: {name}")
+            return f"corrupt zstd plane: {_ffi.string(_lib.ZSTD_getErrorName(code)).decode()}"
         if code != n:
-            raise IntegrityError(f"zstd plane decoded to {code} bytes, expected {n}")
+            return f"zstd plane decoded to {code} bytes, expected {n}"
+        return None
 
 
 ZstdBackend = _LibZstd | _Zstd

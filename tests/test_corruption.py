@@ -111,10 +111,11 @@ def test_missing_blob(make_registry: RegistryFactory, store_url: str, tmp_path: 
     (report,) = reg.verify("t/a")
     assert [b.digest for b in report.bad] == [victim.digest]
     assert "missing" in report.bad[0].reason
-    with pytest.raises(NotFound, match=victim.digest.hex) as e:
+    # Lost data the catalog promises: exit 4 for pull as for verify (3 is for names).
+    with pytest.raises(IntegrityError, match=victim.digest.hex) as e:
         make_registry(blob_url=store_url, cache_dir=tmp_path / "c2").pull("t/a",
                                                                           tmp_path / "o.kv")
-    assert e.value.exit_code == 3
+    assert e.value.exit_code == 4
     assert not (tmp_path / "o.kv").exists()
 
 
@@ -148,5 +149,5 @@ def test_cli_verify_names_the_corrupt_blob(any_s3_store_url: str, cli_env: dict[
     r = subprocess.run([sys.executable, "-c", CLI, "pull", "t/a", "-o",
                         str(tmp_path / "o.kv")], env={**env, "KVGRAFT_CACHE": str(tmp_path / "c")},
                        capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 4 and victim.digest.hex in r.stderr
+    assert r.returncode == 4 and victim.digest.hex in r.stderr, r.stderr
     assert not (tmp_path / "o.kv").exists()
