@@ -86,8 +86,10 @@ class Cache:
         self.blobs.put(digest, frame(self._raw, data))
 
     def put_stored(self, digest: Digest, stored: Buffer) -> None:
-        """Cache a stored blob exactly as fetched; the caller has verified it."""
-        self.blobs.put(digest, [stored])
+        """Cache a stored blob exactly as fetched; the caller has verified it. A bad entry in
+        the way (a symlink to a device, say, which `has` does not count) is replaced."""
+        if not self.blobs.put(digest, [stored]) and not self.blobs.exists(digest):
+            self.blobs.replace(digest, [stored])
 
     def has(self, digest: Digest) -> bool:
         return self.blobs.exists(digest)

@@ -103,7 +103,7 @@ def test_corrupt_blob_exit_4_names_blob(cli_env: dict[str, str], tmp_path: Path)
     assert r.returncode == 4 and victim in r.stderr and "Traceback" not in r.stderr
 
 
-def test_unreadable_blob_in_the_local_store_exit_7_names_path(runner: CliRunner,
+def test_directory_for_a_blob_in_the_local_store_exit_4_names_path(runner: CliRunner,
                                                               tmp_path: Path) -> None:
     src = write_synthetic(tmp_path / "a.kv", tokens=400)
     assert runner.invoke(cli, ["push", str(src), "demo/a"]).exit_code == 0
@@ -112,11 +112,12 @@ def test_unreadable_blob_in_the_local_store_exit_7_names_path(runner: CliRunner,
     assert runner.env is not None
     path = Path(str(runner.env["KVGRAFT_HOME"])) / "blobs" / "sha256" / victim[:2] / victim[2:]
     path.unlink()
-    path.mkdir()  # unreadable as a file, even by root
+    path.mkdir()  # no blob, whoever reads it: the store's data is damaged (exit 4)
     for args in (["verify", "demo/a"], ["pull", "demo/a", "-o", str(tmp_path / "o.kv")]):
         r = runner.invoke(cli, args)
-        assert r.exit_code == 7, r.output
-        assert f"cannot read blob {path}" in r.stderr and "Traceback" not in r.stderr
+        assert r.exit_code == 4, r.output
+        assert f"{path} is a directory, not a regular file" in r.stderr
+        assert "Traceback" not in r.stderr
 
 
 def test_debug_shows_traceback(cli_env: dict[str, str]) -> None:

@@ -62,9 +62,11 @@ def test_damaged_catalog_is_an_error_not_a_reset(
 
 
 def test_missing_catalog_is_created(cli_env: dict[str, str], tmp_path: Path) -> None:
-    r = run(cli_env, "ls")
-    assert r.returncode == 0, r.stderr
     db = tmp_path / "home" / "catalog.db"
+    r = run(cli_env, "ls")  # listing a registry never written to does not create it
+    assert r.returncode == 0 and not db.exists(), r.stderr
+    r = run(cli_env, "db", "upgrade")
+    assert r.returncode == 0, r.stderr
     assert db.read_bytes()[:16] == b"SQLite format 3\x00"
     assert not [p for p in db.parent.iterdir() if p.name.endswith(".tmp")]
 
