@@ -14,7 +14,6 @@ import contextlib
 import os
 import tempfile
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,9 +33,6 @@ from kvgraft.manifest import BlobRef, Manifest
 Progress = Callable[[int], None]
 R = TypeVar("R")
 SCATTER_BATCH = 8  # decoded chunks held to coalesce their writes (memory: 8 chunks)
-# Downloads in flight ahead of the decoding workers: a GET mostly waits on the network, so
-# with only the decoding workers fetching, the link idles whenever they all decode.
-FETCH_AHEAD = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,17 +63,6 @@ class Fetcher:
             else:
                 self._hits += 1
 
-    def download(self, ref: BlobRef) -> bytes | None:
-        """The stored bytes of a blob the cache lacks, not yet verified (None when the
-        cache has it or kvgraft is offline): the network half of `get`, run ahead of it."""
-        if self.store is None or self.cache.has(ref.digest):
-            return None
-        with self.cache.lock(ref.digest):
-            # Another process may have fetched it while we waited for the lock.
-            if self.cache.has(ref.digest):
-                return None
-            return self._stored(self.store, ref)
-
     @staticmethod
     def _stored(store: BlobStore, ref: BlobRef) -> bytes:
         """The stored bytes of `ref`, read no further than its codec's bound allows."""
@@ -90,20 +75,13 @@ class Fetcher:
                                  hint="run `kvgraft verify --all`; re-push the file "
                                       "to repair") from None
 
-    def get(self, ref: BlobRef, into: Buffer | None = None,
-            downloaded: bytes | None = None) -> tuple[Buffer, int]:
+    def get(self, ref: BlobRef, into: Buffer | None = None) -> tuple[Buffer, int]:
         """(decoded bytes, stored bytes transferred: 0 on a cache hit). With `into` (a
-        buffer of at least `ref.size` bytes) the bytes are decoded there. `downloaded`:
-        what `download` returned for it."""
-        if downloaded is not None and self.store is not None:
-            fresh = verify_stored(ref, downloaded, self.store.url, into)
-            self.cache.put_stored(ref.digest, downloaded)
-            self._count(len(downloaded))
-            return fresh, len(downloaded)
-        cached = self.cache.get(ref.digest, ref.size, into)
-        if cached is not None:
+        buffer of at least `ref.size` bytes) the bytes are decoded there."""
+        data = self.cache.get(ref.digest, ref.size, into)
+        if data is not None:
             self._count(0)
-            return cached, 0
+            return data, 0
         if self.store is None:
             raise NotFound(f"blob {ref.digest} is not in the cache and kvgraft is offline",
                            hint="pull it once online first")
@@ -190,12 +168,12 @@ def fetch(manifest: Manifest, fetcher: Fetcher, *, workers: int = 2,
     missing = [b for b in blobs if not fetcher.cache.has(b.digest)]
     buffers = _Buffers(max((b.size for b in missing), default=0), workers)
 
-    def verified(ref: BlobRef, downloaded: bytes | None) -> None:
+    def verified(ref: BlobRef) -> None:
         buf = buffers.take()
-        fetcher.get(ref, buf, downloaded)
+        fetcher.get(ref, buf)
         buffers.give(buf)
 
-    for ref, _ in _map(verified, missing, workers, fetcher.download):
+    for ref, _ in _map(verified, missing, workers):
         if progress:
             progress(ref.size)
     if progress:
@@ -204,24 +182,17 @@ def fetch(manifest: Manifest, fetcher: Fetcher, *, workers: int = 2,
     return FetchStats(stats.fetched, stats.fetched_bytes, stats.cached + len(blobs) - len(missing))
 
 
-def _map(fn: Callable[[BlobRef, bytes | None], R], refs: list[BlobRef], workers: int,
-         download: Callable[[BlobRef], bytes | None]) -> Iterator[tuple[BlobRef, R]]:
-    """fn(ref, download(ref)) for each ref, results in order: the downloads run up to
-    FETCH_AHEAD at once on threads of their own, `fn` on `workers` threads."""
-    with ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="kvgraft-fetch") as io, \
-            ThreadPoolExecutor(workers, thread_name_prefix="kvgraft-pull") as pool:
-        def submit(ref: BlobRef) -> tuple[BlobRef, Future[R]]:
-            got = io.submit(download, ref)
-            return ref, pool.submit(lambda: fn(ref, got.result()))
-
-        window = FETCH_AHEAD + workers
-        futs = deque(submit(r) for r in refs[:window])
+def _map(fn: Callable[[BlobRef], R], refs: list[BlobRef],
+         workers: int) -> Iterator[tuple[BlobRef, R]]:
+    with ThreadPoolExecutor(workers, thread_name_prefix="kvgraft-pull") as pool:
+        window = 2 * workers
+        futs = [(r, pool.submit(fn, r)) for r in refs[:window]]
         nxt = window
         while futs:
-            ref, fut = futs.popleft()
+            ref, fut = futs.pop(0)
             result = fut.result()
             if nxt < len(refs):
-                futs.append(submit(refs[nxt]))
+                futs.append((refs[nxt], pool.submit(fn, refs[nxt])))
                 nxt += 1
             yield ref, result
 
@@ -266,14 +237,14 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int =
         buffers = _Buffers(max((r.size for r in chunk_refs), default=0),
                            2 * workers + SCATTER_BATCH)
 
-        def decoded(ref: BlobRef, downloaded: bytes | None) -> tuple[memoryview, bytearray]:
+        def decoded(ref: BlobRef) -> tuple[memoryview, bytearray]:
             buf = buffers.take()
-            return memoryview(fetcher.get(ref, buf, downloaded)[0]), buf
+            return memoryview(fetcher.get(ref, buf)[0]), buf
 
         batch: list[tuple[ChunkPlan, memoryview]] = []
         held: list[bytearray] = []
         with _Flusher(fd) as flusher:
-            for ref, (view, buf) in _map(decoded, chunk_refs, workers, fetcher.download):
+            for ref, (view, buf) in _map(decoded, chunk_refs, workers):
                 held.append(buf)
                 for i in places[ref.digest]:
                     plan = plans[i]

@@ -136,6 +136,15 @@ class S3Server:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
+def _die_with_parent() -> None:
+    """In a server's child process before exec: SIGTERM it when the process that started it
+    dies, so a test run that is killed (a timeout, ^C twice) leaves no server behind."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _answers(url: str) -> bool:
     # No proxy: the server is on loopback whatever HTTP_PROXY says.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -168,7 +177,8 @@ def start_seaweedfs(root: Path | None = None, *, timeout: float = 30.0) -> S3Ser
     with open(root / "weed.log", "wb") as log:
         # Its own process group, so stopping it reaches every component it forks.
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent)
     server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", access, secret, proc, root)
     deadline = time.monotonic() + timeout
     while not _answers(server.endpoint):
@@ -298,7 +308,8 @@ def start_ceph(root: Path | None = None, *, timeout: float = 120.0) -> S3Server:
     def daemon(name: str, *argv: str) -> subprocess.Popen[bytes]:
         with open(root / "log" / f"{name}.stdout", "wb") as log:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
         daemons.insert(0, proc)  # stopped in reverse order of start
         return proc
 
