@@ -4,6 +4,7 @@ second pull transfers nothing), verified bytes, and refusals with their exit cod
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +43,10 @@ def test_pull_is_byte_identical_and_cached(served: tuple[Server, Path], tmp_path
     again, stats2 = remote.pull("team/kv:v1", cache, tmp_path / "out2.kv")
     assert again == digest and stats2.fetched == 0 and stats2.cached == stats.fetched
     assert (tmp_path / "out2.kv").read_bytes() == src.read_bytes()
+    pulls = [json.loads(line) for line in
+             kvgraft(server.env, "log", "--json", "--action", "pull").splitlines()]
+    assert [(e["actor"], e["repository"], e["digest"]) for e in pulls] == \
+        [("token:node", "team/kv", str(digest))] * 2
 
 
 def test_refusals_carry_their_exit_codes(served: tuple[Server, Path], tmp_path: Path) -> None:

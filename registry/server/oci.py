@@ -137,6 +137,11 @@ async def _blob(request: Request, ctx: Context, name: str, ref: str) -> Response
         return Response(status_code=status, headers=headers)
     manifest_blob = await run_in_threadpool(_graft_manifest_blob, ctx, name, digest)
     if manifest_blob is not None:
+        if status == 200:
+            # Every client that pulls a graft (OCI tools, kvgraft's HTTP remote) reads its
+            # kvgraft manifest once: that read is the pull the audit log records.
+            await run_in_threadpool(ctx.event, request, "pull", repository=name,
+                                    digest=Digest.parse(digest), detail={"via": "server"})
         return Response(manifest_blob[start:end], status_code=status, headers=headers)
     try:
         body = await run_in_threadpool(content.open_blob, ctx.registry.store, digest, size,
@@ -489,9 +494,9 @@ def _tags(request: Request, ctx: Context, name: str) -> Response:
     n = int(n_text) if n_text is not None else ctx.settings.page_size
     n = min(n, ctx.settings.page_size)
     last = q.get("last")
-    if not ctx.oci.repository_exists(name):
-        raise OciError(404, "NAME_UNKNOWN", f"repository {name} is not known")
     page = ctx.oci.tags(name, last=last, limit=n + 1)
+    if not page and not ctx.oci.repository_exists(name):
+        raise OciError(404, "NAME_UNKNOWN", f"repository {name} is not known")
     headers = {}
     if len(page) > n:
         page = page[:n]
