@@ -32,6 +32,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     write_synthetic(src, tokens=300)
     kvgraft(env, "push", str(src), f"{TEAM}:v1", "--chunk-tokens", "128", "--label", "k=v")
     kvgraft(env, "push", str(src), "open/kv:v1", "--chunk-tokens", "128")
+    kvgraft(env, "key", "generate", "release")
+    kvgraft(env, "sign", f"{TEAM}:v1", "--key", "release")
     with running_server(env, home / "server.log", "--public", "open/*",
                         "--max-upload", str(MAX_UPLOAD), "--max-open-uploads", str(MAX_OPEN),
                         ) as srv:
@@ -128,6 +130,34 @@ def test_anonymous_pull_only_from_public_repositories(server: Server) -> None:
     assert r.headers["WWW-Authenticate"].startswith('Bearer realm="')
     r = requests.post(f"{server.url}/v2/open/kv/blobs/uploads/")
     assert r.status_code == 401 and _error(r) == "UNAUTHORIZED"
+
+
+def test_signatures_of_a_graft_are_its_referrers(server: Server,
+                                                 tokens: dict[str, str]) -> None:
+    h = _auth(tokens["pull"])
+    graft = requests.get(f"{server.url}/v2/{TEAM}/manifests/v1", headers=h)
+    subject = graft.headers["Docker-Content-Digest"]
+    r = requests.get(f"{server.url}/v2/{TEAM}/referrers/{subject}", headers=h)
+    assert r.status_code == 200, r.text
+    found = r.json()["manifests"]
+    assert [d["artifactType"] for d in found] == ["application/vnd.dsse.envelope.v1+json"]
+    att = requests.get(f"{server.url}/v2/{TEAM}/manifests/{found[0]['digest']}", headers=h)
+    assert att.status_code == 200
+    assert "sha256:" + hashlib.sha256(att.content).hexdigest() == found[0]["digest"]
+    doc = att.json()
+    assert doc["subject"]["digest"] == subject
+    layer = doc["layers"][0]
+    blob = requests.get(f"{server.url}/v2/{TEAM}/blobs/{layer['digest']}", headers=h)
+    assert "sha256:" + hashlib.sha256(blob.content).hexdigest() == layer["digest"]
+    assert json.loads(blob.content)["payloadType"] == "application/vnd.in-toto+json"
+    filtered = requests.get(f"{server.url}/v2/{TEAM}/referrers/{subject}",
+                            params={"artifactType": "application/x-none"}, headers=h)
+    assert filtered.json()["manifests"] == []
+    assert filtered.headers["OCI-Filters-Applied"] == "artifactType"
+    # not visible from a repository that does not hold the graft
+    other = requests.get(f"{server.url}/v2/team/other/manifests/{found[0]['digest']}",
+                         headers=_auth(tokens["admin"]))
+    assert other.status_code == 404 and _error(other) == "MANIFEST_UNKNOWN"
 
 
 # --- tokens and scopes ------------------------------------------------------------------

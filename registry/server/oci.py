@@ -90,6 +90,9 @@ def _blob_size(ctx: Context, name: str, digest: str) -> int:
     if size is None and ctx.oci.graft_in(name, digest):
         size = len(ctx.graft_manifest(Digest.parse(digest)).canonical())
     if size is None:
+        att = ctx.attestation(name, digest, "attestation-blob")
+        size = None if att is None else len(att.blob)
+    if size is None:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is not in {name}")
     return size
 
@@ -114,6 +117,13 @@ def _graft_manifest_blob(ctx: Context, name: str, digest: str) -> bytes | None:
     if ctx.oci.blob_size(name, digest) is None and ctx.oci.graft_in(name, digest):
         return ctx.graft_manifest(Digest.parse(digest)).canonical()
     return None
+
+
+def _attestation_blob(ctx: Context, name: str, digest: str) -> bytes | None:
+    if ctx.oci.blob_size(name, digest) is not None:
+        return None
+    att = ctx.attestation(name, digest, "attestation-blob")
+    return None if att is None else att.blob
 
 
 async def _blob(request: Request, ctx: Context, name: str, ref: str) -> Response:
@@ -143,6 +153,9 @@ async def _blob(request: Request, ctx: Context, name: str, ref: str) -> Response
             await run_in_threadpool(ctx.event, request, "pull", repository=name,
                                     digest=Digest.parse(digest), detail={"via": "server"})
         return Response(manifest_blob[start:end], status_code=status, headers=headers)
+    att_blob = await run_in_threadpool(_attestation_blob, ctx, name, digest)
+    if att_blob is not None:
+        return Response(att_blob[start:end], status_code=status, headers=headers)
     try:
         body = await run_in_threadpool(content.open_blob, ctx.registry.store, digest, size,
                                        start, end)
@@ -311,7 +324,10 @@ def _find_manifest(ctx: Context, name: str, ref: str) -> tuple[str, str, bytes]:
             return found.digest, found.media_type, found.content
         artifact = ctx.oci.graft_for(name, digest)
         if artifact is None:
-            raise unknown
+            att = ctx.attestation(name, digest, "attestation")
+            if att is None:
+                raise unknown
+            return digest, grafts.OCI_MANIFEST, att.manifest
         rendered = ctx.render_graft(Digest.parse(artifact))
         return digest, grafts.OCI_MANIFEST, rendered
     try:
@@ -524,6 +540,14 @@ def _referrers(request: Request, ctx: Context, name: str, subject_text: str) -> 
         if isinstance(annotations, dict) and annotations:
             d["annotations"] = annotations
         descriptors.append(d)
+    artifact = ctx.oci.graft_for(name, subject)
+    if artifact is not None:  # a graft: its attestations and signatures refer to it
+        for att in ctx.attestations(Digest.parse(artifact)):
+            if wanted is None or att.artifact_type == wanted:
+                descriptors.append({"mediaType": grafts.OCI_MANIFEST, "digest": att.digest,
+                                    "size": len(att.manifest),
+                                    "artifactType": att.artifact_type,
+                                    "annotations": att.annotations})
     headers = {"Content-Type": grafts.OCI_INDEX}
     if wanted is not None:
         headers["OCI-Filters-Applied"] = "artifactType"
