@@ -307,6 +307,13 @@ def _commit(request: Request, ctx: Context, name: str, path: Path, digest: str) 
     if digest != content.EMPTY_DIGEST:
         content.store_file(ctx.registry.store, d, path)
     ctx.oci.link_blob(name, digest, size)
+    # The blob may have been in the store already (so not written again) and a gc may
+    # have deleted it before the link committed: the rule that protects pushes (kvgraft.gc,
+    # rule 3) protects uploads too. The deletion record exists before the object goes,
+    # and gc re-checks links under its lock, so this check after the commit is enough.
+    if digest != content.EMPTY_DIGEST and ctx.registry.catalog.deleted_blobs([d]) \
+            and not ctx.registry.store.exists(d):
+        content.store_file(ctx.registry.store, d, path)
     return Response(status_code=201, headers={
         "Location": f"/v2/{name}/blobs/{digest}", "Docker-Content-Digest": digest})
 
