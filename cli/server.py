@@ -36,10 +36,13 @@ def _registry(ctx: click.Context) -> Registry:
 @click.option("--max-open-uploads", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--upload-dir", type=click.Path(path_type=Path, file_okay=False),
               help="Where open uploads live (default $KVGRAFT_HOME/uploads).")
+@click.option("--behind-proxy", metavar="IPS",
+              help="Trust X-Forwarded-Proto/-For from these proxy addresses (comma-separated) "
+                   "so links and the auth challenge name the proxy's https URL.")
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path | None,
           keyfile: Path | None, public: tuple[str, ...], max_upload: int,
-          max_open_uploads: int, upload_dir: Path | None) -> None:
+          max_open_uploads: int, upload_dir: Path | None, behind_proxy: str | None) -> None:
     """Serve the catalog and store over HTTP: the OCI distribution API and /kvgraft/v1."""
     from kvgraft.errors import UsageError
     from kvgraft.server.main import serve as run
@@ -51,7 +54,7 @@ def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path
                               public=public, max_upload_bytes=max_upload,
                               max_open_uploads=max_open_uploads)
     run(config, settings, host=host, port=port, workers=workers, certfile=certfile,
-        keyfile=keyfile)
+        keyfile=keyfile, forwarded_allow_ips=behind_proxy)
 
 
 @click.group()

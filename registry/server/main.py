@@ -54,7 +54,7 @@ def _extra_routes() -> list[Any]:
 
 def serve(config: Config, settings: ServerSettings, *, host: str, port: int, workers: int,
           certfile: Path | None = None, keyfile: Path | None = None,
-          log_level: str = "info") -> None:
+          forwarded_allow_ips: str | None = None, log_level: str = "info") -> None:
     try:
         import uvicorn
     except ImportError:
@@ -73,5 +73,7 @@ def serve(config: Config, settings: ServerSettings, *, host: str, port: int, wor
                 workers=workers if workers > 1 else None, log_level=log_level,
                 ssl_certfile=str(certfile) if certfile else None,
                 ssl_keyfile=str(keyfile) if keyfile else None,
-                h11_max_incomplete_event_size=64 * 1024, proxy_headers=False,
+                h11_max_incomplete_event_size=64 * 1024,
+                proxy_headers=forwarded_allow_ips is not None,
+                forwarded_allow_ips=forwarded_allow_ips,
                 server_header=False, timeout_graceful_shutdown=10)
