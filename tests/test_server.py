@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -120,6 +121,33 @@ def test_graft_is_one_oci_manifest_whose_blobs_hash_to_their_descriptors(
     rng = requests.get(f"{server.url}/v2/{TEAM}/blobs/{oci['layers'][-1]['digest']}",
                        headers={**h, "Range": "bytes=10-19"})
     assert rng.status_code == 206 and len(rng.content) == 10
+
+
+def test_kvgraft_api_artifact_models_and_prefix_match(server: Server,
+                                                      tokens: dict[str, str]) -> None:
+    h = _auth(tokens["pull"])
+    art = requests.get(f"{server.url}/kvgraft/v1/artifact", params={"ref": f"{TEAM}:v1"},
+                       headers=h)
+    assert art.status_code == 200, art.text
+    info = art.json()
+    assert info["repositories"] == [TEAM]  # open/kv holds it too, but this token cannot see it
+    models = requests.get(f"{server.url}/kvgraft/v1/models", headers=h).json()["models"]
+    assert [m["name"] for m in models] == [info["model"]["name"]]
+    oci = requests.get(f"{server.url}/v2/{TEAM}/manifests/v1", headers=h).json()
+    ids_layer = next(x for x in oci["layers"]
+                     if x["mediaType"] == "application/vnd.kvgraft.token-ids.v1")
+    raw = requests.get(f"{server.url}/v2/{TEAM}/blobs/{ids_layer['digest']}", headers=h).content
+    ids = list(struct.unpack(f"<{len(raw) // 8}q", raw))
+    model = {k: info["model"][k] for k in ("architecture", "tokenizer", "weights")}
+    q = json.dumps({"model": model, "tokens": [*ids[:200], -1, -2]})
+    found = requests.get(f"{server.url}/kvgraft/v1/match", params={"q": q}, headers=h).json()
+    assert found["match"]["digest"] == info["digest"] and found["match"]["length"] == 200
+    stranger = make_token(server.env, "stranger", "repository:nothing/*:pull")
+    hidden = requests.get(f"{server.url}/kvgraft/v1/match", params={"q": q},
+                          headers=_auth(stranger)).json()
+    assert hidden == {"match": None}
+    bad = requests.get(f"{server.url}/kvgraft/v1/match", params={"q": "{"}, headers=h)
+    assert bad.status_code == 400
 
 
 def test_anonymous_pull_only_from_public_repositories(server: Server) -> None:
