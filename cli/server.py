@@ -10,6 +10,7 @@ import click
 from kvgraft.catalog.tokens import TokenTable
 from kvgraft.cli.output import emit_json, emit_table, err
 from kvgraft.client import Registry
+from kvgraft.reference import Reference
 from kvgraft.server.settings import ServerSettings
 from kvgraft.tokens import new_secret, parse_duration, parse_scopes, secret_hash
 
@@ -115,6 +116,30 @@ def token_revoke(ctx: click.Context, name: str) -> None:
     TokenTable(reg.catalog).revoke(name)
     reg.catalog.add_event(reg._event("token-revoke", detail={"token": name}))
     err(f"token {name!r} revoked")
+
+
+def pull_over_http(reg: Registry, ref: Reference, output: Path | None,
+                   signed_by: tuple[str, ...], require_verified: bool, as_json: bool) -> None:
+    """`kvgraft pull` through a `kvgraft serve` remote."""
+    from kvgraft.errors import UsageError
+    from kvgraft.httpremote import HttpRemote
+
+    if signed_by or require_verified:
+        raise UsageError("--require-signed-by and --require-verified need a direct remote "
+                         "for now (the checks read the catalog)")
+    config = reg.config
+    assert config.server_url is not None and config.token_file is not None
+    remote = HttpRemote.with_token_file(config.server_url, config.token_file)
+    digest, s = remote.pull(ref, reg.cache, output)
+    if as_json:
+        emit_json({"digest": str(digest), "reference": str(ref),
+                   "output": str(output) if output else None, "fetched": s.fetched,
+                   "fetched_bytes": s.fetched_bytes, "cached": s.cached,
+                   "remote": config.remote})
+        return
+    err(f"pulled {ref} from {config.server_url}: {s.fetched} blobs fetched, "
+        f"{s.cached} from cache" + (f", wrote {output}" if output else ""))
+    click.echo(str(digest))
 
 
 COMMANDS = [serve, token]

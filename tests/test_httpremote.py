@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,3 +83,28 @@ def test_corrupt_stored_blob_is_refused_by_the_client(served: tuple[Server, Path
         remote.pull("team/broken:v1", cache, tmp_path / "out.kv")
     assert not (tmp_path / "out.kv").exists()
     assert not cache.has(chunk)
+
+
+def test_cli_pull_through_an_http_remote(served: tuple[Server, Path], tmp_path: Path) -> None:
+    server, src = served
+    node = server_env(tmp_path / "node")
+    token_file = tmp_path / "token"
+    token_file.write_text(make_token(server.env, "cli-node", "repository:team/*:pull") + "\n")
+    kvgraft(node, "remote", "add", "team", server.url, "--token-file", str(token_file))
+    out = tmp_path / "out.kv"
+    pulled = json.loads(kvgraft(node, "--remote", "team", "pull", "team/kv:v1", "-o", str(out),
+                                "--json"))
+    assert out.read_bytes() == src.read_bytes() and pulled["fetched"] > 0
+    again = json.loads(kvgraft(node, "--remote", "team", "pull", "team/kv:v1", "--json"))
+    assert again["fetched"] == 0 and again["digest"] == pulled["digest"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvgraft.cli", *args], env=node,
+                              capture_output=True, text=True)
+
+    other = run("--remote", "team", "ls")
+    assert other.returncode == 2 and "only `pull` works" in other.stderr
+    token_file.write_text("kvg_revoked-or-wrong\n")
+    refused = run("--remote", "team", "pull", "team/kv:v1")
+    assert refused.returncode == 8, refused.stderr
+    assert not (Path(node["KVGRAFT_HOME"]) / "catalog.db").exists()  # nothing local touched

@@ -30,7 +30,8 @@ def _encode(config: Config, settings: ServerSettings) -> str:
 def _decode(text: str) -> tuple[Config, ServerSettings]:
     raw = json.loads(text)
     c, s = raw["config"], raw["settings"]
-    config = Config(**{**c, "home": Path(c["home"]), "cache_dir": Path(c["cache_dir"])})
+    config = Config(**{**c, "home": Path(c["home"]), "cache_dir": Path(c["cache_dir"]),
+                       "token_file": Path(c["token_file"]) if c.get("token_file") else None})
     settings = ServerSettings(**{**s, "upload_dir": Path(s["upload_dir"]),
                                  "public": tuple(s["public"])})
     return config, settings
