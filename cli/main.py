@@ -155,6 +155,11 @@ def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str
         from kvgraft.client import check_output
 
         check_output(output)  # a usage error before any catalog lookup
+    if reg.config.server_url is not None:
+        from kvgraft.cli.server import pull_over_http
+
+        pull_over_http(reg, reference, output, signed_by, require_verified, as_json)
+        return
     total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:
         result = reg.pull(reference, output, progress=advance, require_signed_by=signed_by,

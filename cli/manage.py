@@ -25,16 +25,22 @@ def remote() -> None:
 
 @remote.command("add")
 @click.argument("name")
-@click.option("--catalog", "catalog_url", required=True, help="Catalog URL.")
-@click.option("--store", "blob_url", required=True, help="Blob store URL.")
+@click.argument("url", required=False)
+@click.option("--catalog", "catalog_url", default="", help="Catalog URL.")
+@click.option("--store", "blob_url", default="", help="Blob store URL.")
+@click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              help="With URL (a `kvgraft serve`): the file holding the token.")
 @click.option("--cache", "cache_dir", type=click.Path(path_type=Path), help="Cache directory.")
 @click.option("--replace", is_flag=True, help="Overwrite an existing remote of that name.")
 @click.pass_context
-def remote_add(ctx: click.Context, name: str, catalog_url: str, blob_url: str,
-               cache_dir: Path | None, replace: bool) -> None:
-    """Add a remote NAME."""
+def remote_add(ctx: click.Context, name: str, url: str | None, catalog_url: str,
+               blob_url: str, token_file: Path | None, cache_dir: Path | None,
+               replace: bool) -> None:
+    """Add a remote NAME: a catalog and a store (--catalog, --store), or the URL of a
+    `kvgraft serve` and --token-file."""
     home = current_registry(ctx).config.home
-    add_remote(home, Remote(name, catalog_url, blob_url, cache_dir), replace=replace)
+    add_remote(home, Remote(name, catalog_url, blob_url, cache_dir, url, token_file),
+               replace=replace)
     err(f"added remote {name}")
 
 
@@ -47,12 +53,13 @@ def remote_ls(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         for r in remotes:
             emit_json({"name": r.name, "catalog": r.catalog_url, "store": r.blob_url,
-                       "cache": str(r.cache_dir) if r.cache_dir else None})
+                       "cache": str(r.cache_dir) if r.cache_dir else None, "url": r.url})
         return
     from kvgraft.catalog.engine import safe_url
 
     emit_table(["NAME", "CATALOG", "STORE", "CACHE"],
-               [(r.name, safe_url(r.catalog_url), r.blob_url, r.cache_dir or "-")
+               [(r.name, safe_url(r.catalog_url) if r.url is None else r.url,
+                 r.blob_url or "-", r.cache_dir or "-")
                 for r in remotes])
 
 

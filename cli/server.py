@@ -16,6 +16,8 @@ from kvgraft.tokens import new_secret, parse_duration, parse_scopes, secret_hash
 if TYPE_CHECKING:
     from kvgraft.catalog import Catalog
     from kvgraft.catalog.tokens import TokenTable
+    from kvgraft.client import Registry
+    from kvgraft.reference import Reference
 
 
 def _tokens(catalog: Catalog) -> TokenTable:
@@ -40,10 +42,13 @@ def _tokens(catalog: Catalog) -> TokenTable:
 @click.option("--max-open-uploads", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--upload-dir", type=click.Path(path_type=Path, file_okay=False),
               help="Where open uploads live (default $KVGRAFT_HOME/uploads).")
+@click.option("--behind-proxy", metavar="IPS",
+              help="Trust X-Forwarded-Proto/-For from these proxy addresses (comma-separated) "
+                   "so links and the auth challenge name the proxy's https URL.")
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path | None,
           keyfile: Path | None, public: tuple[str, ...], max_upload: int,
-          max_open_uploads: int, upload_dir: Path | None) -> None:
+          max_open_uploads: int, upload_dir: Path | None, behind_proxy: str | None) -> None:
     """Serve the catalog and store over HTTP: the OCI distribution API and /kvgraft/v1."""
     from kvgraft.errors import UsageError
     from kvgraft.server.main import serve as run
@@ -55,7 +60,7 @@ def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path
                               public=public, max_upload_bytes=max_upload,
                               max_open_uploads=max_open_uploads)
     run(config, settings, host=host, port=port, workers=workers, certfile=certfile,
-        keyfile=keyfile)
+        keyfile=keyfile, forwarded_allow_ips=behind_proxy)
 
 
 @click.group()
@@ -116,6 +121,30 @@ def token_revoke(ctx: click.Context, name: str) -> None:
     _tokens(reg.catalog).revoke(name)
     reg.catalog.add_event(reg._event("token-revoke", detail={"token": name}))
     err(f"token {name!r} revoked")
+
+
+def pull_over_http(reg: Registry, ref: Reference, output: Path | None,
+                   signed_by: tuple[str, ...], require_verified: bool, as_json: bool) -> None:
+    """`kvgraft pull` through a `kvgraft serve` remote."""
+    from kvgraft.errors import UsageError
+    from kvgraft.httpremote import HttpRemote
+
+    if signed_by or require_verified:
+        raise UsageError("--require-signed-by and --require-verified need a direct remote "
+                         "for now (the checks read the catalog)")
+    config = reg.config
+    assert config.server_url is not None and config.token_file is not None
+    remote = HttpRemote.with_token_file(config.server_url, config.token_file)
+    digest, s = remote.pull(ref, reg.cache, output)
+    if as_json:
+        emit_json({"digest": str(digest), "reference": str(ref),
+                   "output": str(output) if output else None, "fetched": s.fetched,
+                   "fetched_bytes": s.fetched_bytes, "cached": s.cached,
+                   "remote": config.remote})
+        return
+    err(f"pulled {ref} from {config.server_url}: {s.fetched} blobs fetched, "
+        f"{s.cached} from cache" + (f", wrote {output}" if output else ""))
+    click.echo(str(digest))
 
 
 COMMANDS = [serve, token]

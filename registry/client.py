@@ -141,8 +141,15 @@ class Registry:
     def from_env(cls, *, remote: str | None = None, **overrides: object) -> Registry:
         return cls(Config.from_env(None, remote=remote, **overrides))
 
+    def _direct(self) -> None:
+        if self.config.server_url is not None:
+            raise UsageError(f"remote {self.config.remote!r} is a kvgraft server "
+                             f"({self.config.server_url}): only `pull` works through it yet",
+                             hint="use a remote with a catalog and a store for this command")
+
     @cached_property
     def store(self) -> BlobStore:
+        self._direct()
         self.require_online("the blob store")
         from kvgraft.blobstore import open_store
 
@@ -150,6 +157,7 @@ class Registry:
 
     @cached_property
     def catalog(self) -> Catalog:
+        self._direct()
         self.require_online("the catalog")
         from kvgraft.catalog import Catalog
 

@@ -25,6 +25,8 @@ class Config:
         return self.catalog_url == default_catalog_url(self.home)
 
     remote: str | None = None
+    server_url: str | None = None  # an HTTP remote (`kvgraft serve`) instead of catalog+store
+    token_file: Path | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, remote: str | None = None,
@@ -45,7 +47,11 @@ class Config:
             from kvgraft.remotes import get_remote
 
             r = get_remote(home, remote)
-            values.update(catalog_url=r.catalog_url, blob_url=r.blob_url, remote=r.name)
+            if r.url is not None:
+                values.update(server_url=r.url.rstrip("/"), token_file=r.token_file,
+                              remote=r.name)
+            else:
+                values.update(catalog_url=r.catalog_url, blob_url=r.blob_url, remote=r.name)
             if r.cache_dir is not None:
                 values["cache_dir"] = r.cache_dir.absolute()
         values.update({k: v for k, v in overrides.items() if v is not None})

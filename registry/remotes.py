@@ -30,13 +30,25 @@ class Remote:
     catalog_url: str
     blob_url: str
     cache_dir: Path | None = None
+    # An HTTP remote: a `kvgraft serve` URL and the file holding its token, instead of
+    # a catalog and a store.
+    url: str | None = None
+    token_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not NAME_RE.fullmatch(self.name):
             raise UsageError(f"invalid remote name {self.name!r}",
                              hint="lowercase letters, digits, '.', '_' and '-'")
-        if not self.catalog_url or not self.blob_url:
-            raise UsageError(f"remote {self.name!r} needs both a catalog and a store URL")
+        if self.url is not None:
+            if not re.fullmatch(r"https?://[^\s/]+", self.url.rstrip("/")):
+                raise UsageError(f"remote {self.name!r}: not a server URL: {self.url!r}",
+                                 hint="e.g. https://registry.internal:5000")
+            if self.token_file is None or self.catalog_url or self.blob_url:
+                raise UsageError(f"an HTTP remote takes a --token-file and no catalog or "
+                                 f"store ({self.name!r})")
+        elif not self.catalog_url or not self.blob_url:
+            raise UsageError(f"remote {self.name!r} needs both a catalog and a store URL",
+                             hint="or a server URL and --token-file")
 
 
 def config_path(home: Path) -> Path:
@@ -65,13 +77,16 @@ def load_remotes(home: Path) -> dict[str, Remote]:
     for name, spec in raw.items():
         if not isinstance(spec, dict):
             raise UsageError(f"{config_path(home)}: remotes.{name} must be a table")
-        unknown = set(spec) - {"catalog", "store", "cache"}
+        unknown = set(spec) - {"catalog", "store", "cache", "url", "token_file"}
         if unknown:
             raise UsageError(f"{config_path(home)}: remotes.{name} has unknown keys "
-                             f"{sorted(unknown)}", hint="allowed: catalog, store, cache")
-        cache = spec.get("cache")
+                             f"{sorted(unknown)}",
+                             hint="allowed: catalog, store, cache, url, token_file")
+        cache, token_file = spec.get("cache"), spec.get("token_file")
         out[name] = Remote(name, str(spec.get("catalog", "")), str(spec.get("store", "")),
-                           Path(cache).expanduser() if cache else None)
+                           Path(cache).expanduser() if cache else None,
+                           str(spec["url"]) if spec.get("url") else None,
+                           Path(token_file).expanduser() if token_file else None)
     return out
 
 
@@ -90,6 +105,8 @@ def add_remote(home: Path, remote: Remote, *, replace: bool = False) -> None:
     if remote.name in remotes and not replace:
         raise Conflict(f"remote {remote.name!r} already exists", hint="use --replace")
     spec: dict[str, str] = {"catalog": remote.catalog_url, "store": remote.blob_url}
+    if remote.url is not None and remote.token_file is not None:
+        spec = {"url": remote.url, "token_file": str(remote.token_file.absolute())}
     if remote.cache_dir is not None:
         spec["cache"] = str(remote.cache_dir)
     remotes[remote.name] = spec

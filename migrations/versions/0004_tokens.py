@@ -7,7 +7,9 @@ Create Date: 2026-12-04
 `tokens` holds API tokens by the SHA-256 of their secret only; `scopes` is the scope text
 they were created with. The `oci_*` tables hold what OCI clients push that is not a kvgraft
 graft: blob links per repository (the bytes live in the blob store), manifests (their exact
-bytes: a manifest's digest is over them), and tags of those manifests.
+bytes: a manifest's digest is over them), and tags of those manifests. `graft_oci_objects`
+remembers which graft (and which of its attestations) an OCI digest the server rendered
+stands for, so any worker resolves it.
 """
 
 from __future__ import annotations
@@ -69,15 +71,17 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("repository", "tag", name=op.f("pk_oci_tags")),
     )
     op.create_table(
-        "graft_oci_manifests",
-        sa.Column("oci_digest", sa.String(length=71), nullable=False),
+        "graft_oci_objects",
+        sa.Column("digest", sa.String(length=71), nullable=False),
+        sa.Column("kind", sa.String(length=32), nullable=False),
         sa.Column("artifact_digest", sa.String(length=71), nullable=False),
-        sa.PrimaryKeyConstraint("oci_digest", name=op.f("pk_graft_oci_manifests")),
+        sa.Column("attestation_id", sa.Integer(), nullable=True),
+        sa.PrimaryKeyConstraint("digest", "kind", name=op.f("pk_graft_oci_objects")),
     )
 
 
 def downgrade() -> None:
-    op.drop_table("graft_oci_manifests")
+    op.drop_table("graft_oci_objects")
     op.drop_table("oci_tags")
     op.drop_index(op.f("ix_oci_manifests_subject"), table_name="oci_manifests")
     op.drop_table("oci_manifests")

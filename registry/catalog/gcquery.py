@@ -18,6 +18,7 @@ from kvgraft.catalog.models import (
     AttestationRow,
     BlobDeletionRow,
     BlobRow,
+    OciBlobLinkRow,
     TagRow,
 )
 from kvgraft.catalog.records import BlobRecord, aware, stored_digest
@@ -63,7 +64,8 @@ def lock_for_gc(s: Session) -> None:
     ROW EXCLUSIVE on each until it commits; SHARE ROW EXCLUSIVE waits for those and
     blocks new ones. SQLite writers already exclude each other (BEGIN IMMEDIATE)."""
     if s.get_bind().dialect.name == "postgresql":
-        s.execute(text("LOCK TABLE blobs, artifacts, artifact_blobs "
+        # oci_blob_links: what `kvgraft serve` writes when an OCI client pushes a blob.
+        s.execute(text("LOCK TABLE blobs, artifacts, artifact_blobs, oci_blob_links "
                        "IN SHARE ROW EXCLUSIVE MODE"))
 
 
@@ -103,6 +105,8 @@ def sweep(s: Session, digests: list[Digest], delete_blob: BlobDeleter) -> list[D
     for keys in _chunks([str(d) for d in digests]):
         referenced.update(s.scalars(select(ArtifactBlobRow.blob_digest).distinct()
                                     .where(ArtifactBlobRow.blob_digest.in_(keys))))
+        referenced.update(s.scalars(select(OciBlobLinkRow.digest).distinct()
+                                    .where(OciBlobLinkRow.digest.in_(keys))))
     gone = [d for d in digests if str(d) not in referenced and delete_blob(d)]
     for keys in _chunks([str(d) for d in gone]):
         s.execute(delete(BlobRow).where(BlobRow.digest.in_(keys)))

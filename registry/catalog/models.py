@@ -214,9 +214,13 @@ class OciTagRow(Base):
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
-class GraftOciManifestRow(Base):
-    """Which graft an OCI manifest digest renders (the server renders them on demand)."""
+class GraftOciObjectRow(Base):
+    """What an OCI digest the server rendered stands for: a graft's OCI manifest
+    (kind `manifest`), or one of its attestations as an OCI manifest (`attestation`) and
+    that manifest's one layer (`attestation-blob`)."""
 
-    __tablename__ = "graft_oci_manifests"
-    oci_digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    __tablename__ = "graft_oci_objects"
+    digest: Mapped[str] = mapped_column(DIGEST, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), primary_key=True)
     artifact_digest: Mapped[str] = mapped_column(DIGEST)
+    attestation_id: Mapped[int | None] = mapped_column(Integer, nullable=True)

@@ -15,7 +15,7 @@ from kvgraft.catalog.models import (
     ArtifactBlobRow,
     ArtifactRow,
     BlobRow,
-    GraftOciManifestRow,
+    GraftOciObjectRow,
     OciBlobLinkRow,
     OciManifestRow,
     OciTagRow,
@@ -183,19 +183,31 @@ class OciTables:
 
     # --- grafts rendered as OCI manifests ----------------------------------------------
 
-    def remember_graft(self, oci_digest: str, artifact_digest: str) -> None:
+    def remember(self, digest: str, kind: str, artifact_digest: str,
+                 attestation_id: int | None = None) -> None:
         with self.catalog._session(write=True) as s:
-            s.execute(self.catalog._insert(GraftOciManifestRow).values(
-                oci_digest=oci_digest, artifact_digest=artifact_digest,
-            ).on_conflict_do_nothing())
+            s.execute(self.catalog._insert(GraftOciObjectRow).values(
+                digest=digest, kind=kind, artifact_digest=artifact_digest,
+                attestation_id=attestation_id).on_conflict_do_nothing())
+
+    def rendered(self, repository: str, digest: str, kind: str,
+                 ) -> tuple[str, int | None] | None:
+        """(artifact digest, attestation id) that OCI object `digest` of `kind` stands for,
+        if that graft is in `repository`."""
+        with self.catalog._session() as s:
+            row = s.execute(select(GraftOciObjectRow.artifact_digest,
+                                   GraftOciObjectRow.attestation_id)
+                            .join(RepositoryArtifactRow, RepositoryArtifactRow.artifact_digest
+                                  == GraftOciObjectRow.artifact_digest)
+                            .join(ArtifactRow, ArtifactRow.digest
+                                  == GraftOciObjectRow.artifact_digest)
+                            .where(GraftOciObjectRow.digest == digest,
+                                   GraftOciObjectRow.kind == kind,
+                                   RepositoryArtifactRow.repository == repository)
+                            .limit(1)).first()
+            return None if row is None else (row[0], row[1])
 
     def graft_for(self, repository: str, oci_digest: str) -> str | None:
         """The graft (artifact digest) in `repository` that OCI manifest `oci_digest` renders."""
-        with self.catalog._session() as s:
-            return s.scalar(select(GraftOciManifestRow.artifact_digest)
-                            .join(RepositoryArtifactRow, RepositoryArtifactRow.artifact_digest
-                                  == GraftOciManifestRow.artifact_digest)
-                            .join(ArtifactRow, ArtifactRow.digest
-                                  == GraftOciManifestRow.artifact_digest)
-                            .where(GraftOciManifestRow.oci_digest == oci_digest,
-                                   RepositoryArtifactRow.repository == repository))
+        found = self.rendered(repository, oci_digest, "manifest")
+        return None if found is None else found[0]

@@ -12,9 +12,11 @@ from datetime import UTC, datetime
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvgraft.client import Registry
 from kvgraft.errors import RegistryError
@@ -24,6 +26,24 @@ from kvgraft.server.errors import OciError
 from kvgraft.server.settings import ServerSettings
 
 API_VERSION = "registry/2.0"
+MAX_HEADER_BYTES = 64 << 10
+
+
+class HeaderLimit:
+    """Refuse requests whose headers exceed MAX_HEADER_BYTES in all (431), whichever HTTP
+    parser uvicorn uses (h11 has a limit, httptools none)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and sum(
+                len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            error = OciError(431, "SIZE_INVALID",
+                             f"request headers exceed {MAX_HEADER_BYTES} bytes")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 async def base(request: Request) -> Response:
@@ -87,7 +107,8 @@ def create_app(registry_factory: Callable[[], Registry], settings: ServerSetting
         *extra_routes,
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={RegistryError: on_registry_error})
+                    exception_handlers={RegistryError: on_registry_error},
+                    middleware=[Middleware(HeaderLimit)])
     if pages:
         app.router.routes.extend(_web_pages(app))
     return app

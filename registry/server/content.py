@@ -86,8 +86,9 @@ def open_blob(store: BlobStore, digest: str, size: int, start: int = 0,
             f.close()
             _, data = decode_blob(store.get(d), size)
             d.check(Digest.of(data), f"stored blob {digest}")
-            view = bytes(memoryview(data)[start:end])
-            return Body(iter([view]), end - start)
+            view = memoryview(data)[start:end]
+            pieces = (bytes(view[i:i + PIECE]) for i in range(0, view.nbytes, PIECE))
+            return Body(pieces, end - start)
     except BaseException:
         f.close()
         raise

@@ -3,8 +3,10 @@ open uploads, tokens, and the audit trail of who did what."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -25,6 +27,17 @@ from kvgraft.server.uploads import Uploads
 _RENDERED = 4096  # grafts whose OCI rendering a worker keeps (they never change)
 
 
+@dataclass(frozen=True, slots=True)
+class RenderedAttestation:
+    id: int
+    manifest: bytes
+    digest: str  # of the manifest
+    artifact_type: str
+    annotations: dict[str, str]
+    blob: bytes
+    blob_digest: str
+
+
 class Context:
     def __init__(self, registry: Registry, settings: ServerSettings) -> None:
         self.registry = registry
@@ -34,6 +47,7 @@ class Context:
                                ttl=settings.upload_ttl_seconds)
         self._rendered: OrderedDict[Digest, tuple[Manifest, bytes]] = OrderedDict()
         self._lock = threading.Lock()
+        self._remembered: set[str] = set()
 
     @cached_property
     def tokens(self) -> TokenTable:
@@ -84,7 +98,7 @@ class Context:
         record = self.registry.catalog.artifact(digest)
         manifest = Manifest.parse(record.manifest, digest)
         rendered = grafts.render(manifest, record.created_at.isoformat())
-        self.oci.remember_graft(grafts.oci_digest(rendered), str(digest))
+        self.oci.remember(grafts.oci_digest(rendered), "manifest", str(digest))
         with self._lock:
             self._rendered[digest] = (manifest, rendered)
             while len(self._rendered) > _RENDERED:
@@ -96,3 +110,40 @@ class Context:
 
     def graft_manifest(self, digest: Digest) -> Manifest:
         return self.graft(digest)[0]
+
+    def attestations(self, artifact: Digest) -> list[RenderedAttestation]:
+        """The graft's attestations (provenance, verification, signatures) as OCI
+        manifests whose subject is its OCI manifest."""
+        _, rendered = self.graft(artifact)
+        subject = grafts.oci_digest(rendered)
+        out = []
+        for a in self.registry.catalog.attestations(artifact):
+            assert a.id is not None
+            raw, blob = grafts.render_attestation(a.statement, a.envelope, a.predicate_type,
+                                                  a.keyid, a.id, subject, len(rendered))
+            doc = json.loads(raw)
+            att = RenderedAttestation(a.id, raw, grafts.oci_digest(raw), doc["artifactType"],
+                                      doc["annotations"], blob,
+                                      doc["layers"][0]["digest"])
+            with self._lock:
+                known = att.digest in self._remembered
+            if not known:
+                self.oci.remember(att.digest, "attestation", str(artifact), a.id)
+                self.oci.remember(att.blob_digest, "attestation-blob", str(artifact), a.id)
+                with self._lock:
+                    self._remembered.add(att.digest)
+            out.append(att)
+        return out
+
+    def attestation(self, repository: str, digest: str, kind: str,
+                    ) -> RenderedAttestation | None:
+        """The attestation whose OCI manifest (kind `attestation`) or layer
+        (`attestation-blob`) is `digest`, if its graft is in `repository`."""
+        found = self.oci.rendered(repository, digest, kind)
+        if found is None:
+            return None
+        artifact, att_id = found
+        for att in self.attestations(Digest.parse(artifact)):
+            if att.id == att_id:
+                return att
+        return None

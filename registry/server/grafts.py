@@ -64,3 +64,31 @@ def render(manifest: Manifest, created: str) -> bytes:
 
 def oci_digest(rendered: bytes) -> str:
     return str(Digest.of(rendered))
+
+
+DSSE_TYPE = "application/vnd.dsse.envelope.v1+json"
+IN_TOTO_TYPE = "application/vnd.in-toto+json"
+
+
+def render_attestation(statement: bytes, envelope: bytes | None, predicate_type: str,
+                       keyid: str | None, attestation_id: int, subject: str,
+                       subject_size: int) -> tuple[bytes, bytes]:
+    """An attestation of a graft as an OCI manifest whose subject is the graft's OCI
+    manifest (so `referrers` lists it): (manifest bytes, its one layer's bytes). A signed
+    attestation's layer is its DSSE envelope, an unsigned one's its in-toto statement."""
+    blob = envelope if envelope is not None else statement
+    kind = DSSE_TYPE if envelope is not None else IN_TOTO_TYPE
+    annotations = {"in-toto.io/predicate-type": predicate_type,
+                   "org.kvgraft.attestation.id": str(attestation_id)}
+    if keyid:
+        annotations["org.kvgraft.attestation.keyid"] = keyid
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "artifactType": kind,
+        "config": {"mediaType": OCI_EMPTY, "digest": EMPTY_DIGEST, "size": len(EMPTY_JSON)},
+        "layers": [{"mediaType": kind, "digest": str(Digest.of(blob)), "size": len(blob)}],
+        "subject": {"mediaType": OCI_MANIFEST, "digest": subject, "size": subject_size},
+        "annotations": annotations,
+    }
+    return canonical_json(doc), blob

@@ -5,7 +5,7 @@ error shape; the same tokens and scopes as /v2/."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sqlalchemy import select
@@ -146,6 +146,48 @@ def match(request: Request, ctx: Context) -> dict[str, Any]:
     return {"match": found.to_json()}
 
 
+def stored(request: Request, ctx: Context) -> Response:
+    """A graft blob exactly as stored (encoded, self-describing): what an HTTP remote's pull
+    fetches into its machine cache and verifies there. `Range: bytes=N-` resumes."""
+    from starlette.responses import StreamingResponse
+
+    from kvgraft.digest import Digest
+
+    repository = request.query_params.get("repository", "")
+    _require(request, ctx, repository, "pull")
+    try:
+        digest = Digest.parse(request.path_params["digest"])
+    except UsageError as e:
+        raise OciError(400, "DIGEST_INVALID", e.human()) from None
+    if ctx.oci.blob_size(repository, str(digest)) is None:
+        raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is not in {repository}")
+    info = ctx.registry.store.stat(digest)
+    if info is None:
+        raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is missing from the store")
+    start = 0
+    rng = request.headers.get("range", "")
+    if rng.startswith("bytes=") and rng.endswith("-") and rng[6:-1].isdigit():
+        start = int(rng[6:-1])
+        if start >= info.stored_size:
+            return Response(status_code=416,
+                            headers={"Content-Range": f"bytes */{info.stored_size}"})
+    f = ctx.registry.store.open(digest)
+
+    def pieces() -> Iterator[bytes]:
+        with f:
+            skip = start
+            while skip:
+                skip -= len(f.read(min(skip, 1 << 20))) or skip
+            while piece := f.read(1 << 20):
+                yield piece
+
+    headers = {"Content-Length": str(info.stored_size - start), "Accept-Ranges": "bytes"}
+    if start:
+        headers["Content-Range"] = f"bytes {start}-{info.stored_size - 1}/{info.stored_size}"
+    return StreamingResponse(pieces(), status_code=206 if start else 200, headers=headers,
+                             media_type="application/vnd.kvgraft.stored-blob")
+
+
 def routes() -> list[Route]:
     return [
         Route(f"{PREFIX}/resolve", _guarded(resolve), methods=["GET"]),
@@ -154,4 +196,5 @@ def routes() -> list[Route]:
         Route(f"{PREFIX}/models", _guarded(models), methods=["GET"]),
         Route(f"{PREFIX}/log", _guarded(log), methods=["GET"]),
         Route(f"{PREFIX}/match", _guarded(match), methods=["GET"]),
+        Route(f"{PREFIX}/stored/{{digest}}", _guarded(stored), methods=["GET"]),
     ]

@@ -30,7 +30,8 @@ def _encode(config: Config, settings: ServerSettings) -> str:
 def _decode(text: str) -> tuple[Config, ServerSettings]:
     raw = json.loads(text)
     c, s = raw["config"], raw["settings"]
-    config = Config(**{**c, "home": Path(c["home"]), "cache_dir": Path(c["cache_dir"])})
+    config = Config(**{**c, "home": Path(c["home"]), "cache_dir": Path(c["cache_dir"]),
+                       "token_file": Path(c["token_file"]) if c.get("token_file") else None})
     settings = ServerSettings(**{**s, "upload_dir": Path(s["upload_dir"]),
                                  "public": tuple(s["public"])})
     return config, settings
@@ -44,7 +45,7 @@ def app_from_env() -> Starlette:
 
 def serve(config: Config, settings: ServerSettings, *, host: str, port: int, workers: int,
           certfile: Path | None = None, keyfile: Path | None = None,
-          log_level: str = "info") -> None:
+          forwarded_allow_ips: str | None = None, log_level: str = "info") -> None:
     try:
         import uvicorn
     except ImportError:
@@ -63,5 +64,7 @@ def serve(config: Config, settings: ServerSettings, *, host: str, port: int, wor
                 workers=workers if workers > 1 else None, log_level=log_level,
                 ssl_certfile=str(certfile) if certfile else None,
                 ssl_keyfile=str(keyfile) if keyfile else None,
-                h11_max_incomplete_event_size=64 * 1024, proxy_headers=False,
+                h11_max_incomplete_event_size=64 * 1024,
+                proxy_headers=forwarded_allow_ips is not None,
+                forwarded_allow_ips=forwarded_allow_ips,
                 server_header=False, timeout_graceful_shutdown=10)

@@ -90,6 +90,9 @@ def _blob_size(ctx: Context, name: str, digest: str) -> int:
     if size is None and ctx.oci.graft_in(name, digest):
         size = len(ctx.graft_manifest(Digest.parse(digest)).canonical())
     if size is None:
+        att = ctx.attestation(name, digest, "attestation-blob")
+        size = None if att is None else len(att.blob)
+    if size is None:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is not in {name}")
     return size
 
@@ -116,6 +119,13 @@ def _graft_manifest_blob(ctx: Context, name: str, digest: str) -> bytes | None:
     return None
 
 
+def _attestation_blob(ctx: Context, name: str, digest: str) -> bytes | None:
+    if ctx.oci.blob_size(name, digest) is not None:
+        return None
+    att = ctx.attestation(name, digest, "attestation-blob")
+    return None if att is None else att.blob
+
+
 async def _blob(request: Request, ctx: Context, name: str, ref: str) -> Response:
     digest = _digest(ref, "DIGEST_INVALID")
     if request.method == "DELETE":
@@ -137,7 +147,15 @@ async def _blob(request: Request, ctx: Context, name: str, ref: str) -> Response
         return Response(status_code=status, headers=headers)
     manifest_blob = await run_in_threadpool(_graft_manifest_blob, ctx, name, digest)
     if manifest_blob is not None:
+        if status == 200:
+            # Every client that pulls a graft (OCI tools, kvgraft's HTTP remote) reads its
+            # kvgraft manifest once: that read is the pull the audit log records.
+            await run_in_threadpool(ctx.event, request, "pull", repository=name,
+                                    digest=Digest.parse(digest), detail={"via": "server"})
         return Response(manifest_blob[start:end], status_code=status, headers=headers)
+    att_blob = await run_in_threadpool(_attestation_blob, ctx, name, digest)
+    if att_blob is not None:
+        return Response(att_blob[start:end], status_code=status, headers=headers)
     try:
         body = await run_in_threadpool(content.open_blob, ctx.registry.store, digest, size,
                                        start, end)
@@ -289,6 +307,13 @@ def _commit(request: Request, ctx: Context, name: str, path: Path, digest: str) 
     if digest != content.EMPTY_DIGEST:
         content.store_file(ctx.registry.store, d, path)
     ctx.oci.link_blob(name, digest, size)
+    # The blob may have been in the store already (so not written again) and a gc may
+    # have deleted it before the link committed: the rule that protects pushes (kvgraft.gc,
+    # rule 3) protects uploads too. The deletion record exists before the object goes,
+    # and gc re-checks links under its lock, so this check after the commit is enough.
+    if digest != content.EMPTY_DIGEST and ctx.registry.catalog.deleted_blobs([d]) \
+            and not ctx.registry.store.exists(d):
+        content.store_file(ctx.registry.store, d, path)
     return Response(status_code=201, headers={
         "Location": f"/v2/{name}/blobs/{digest}", "Docker-Content-Digest": digest})
 
@@ -306,7 +331,10 @@ def _find_manifest(ctx: Context, name: str, ref: str) -> tuple[str, str, bytes]:
             return found.digest, found.media_type, found.content
         artifact = ctx.oci.graft_for(name, digest)
         if artifact is None:
-            raise unknown
+            att = ctx.attestation(name, digest, "attestation")
+            if att is None:
+                raise unknown
+            return digest, grafts.OCI_MANIFEST, att.manifest
         rendered = ctx.render_graft(Digest.parse(artifact))
         return digest, grafts.OCI_MANIFEST, rendered
     try:
@@ -489,9 +517,9 @@ def _tags(request: Request, ctx: Context, name: str) -> Response:
     n = int(n_text) if n_text is not None else ctx.settings.page_size
     n = min(n, ctx.settings.page_size)
     last = q.get("last")
-    if not ctx.oci.repository_exists(name):
-        raise OciError(404, "NAME_UNKNOWN", f"repository {name} is not known")
     page = ctx.oci.tags(name, last=last, limit=n + 1)
+    if not page and not ctx.oci.repository_exists(name):
+        raise OciError(404, "NAME_UNKNOWN", f"repository {name} is not known")
     headers = {}
     if len(page) > n:
         page = page[:n]
@@ -519,6 +547,14 @@ def _referrers(request: Request, ctx: Context, name: str, subject_text: str) -> 
         if isinstance(annotations, dict) and annotations:
             d["annotations"] = annotations
         descriptors.append(d)
+    artifact = ctx.oci.graft_for(name, subject)
+    if artifact is not None:  # a graft: its attestations and signatures refer to it
+        for att in ctx.attestations(Digest.parse(artifact)):
+            if wanted is None or att.artifact_type == wanted:
+                descriptors.append({"mediaType": grafts.OCI_MANIFEST, "digest": att.digest,
+                                    "size": len(att.manifest),
+                                    "artifactType": att.artifact_type,
+                                    "annotations": att.annotations})
     headers = {"Content-Type": grafts.OCI_INDEX}
     if wanted is not None:
         headers["OCI-Filters-Applied"] = "artifactType"

@@ -44,11 +44,16 @@ class Uploads:
     def _data(self, upload_id: str) -> Path:
         return self.root / f"{upload_id}.data"
 
-    def start(self, repository: str) -> Upload:
+    def _admit(self) -> None:
         self._expire()
-        if sum(1 for _ in self.root.glob("*.json")) >= self.max_open:
+        open_now = sum(1 for _ in self.root.glob("*.json")) + \
+            sum(1 for _ in self.root.glob(".mono-*"))
+        if open_now >= self.max_open:
             raise OciError(429, "TOOMANYREQUESTS",
                            f"too many open uploads (limit {self.max_open}); retry later")
+
+    def start(self, repository: str) -> Upload:
+        self._admit()
         upload_id = uuid.uuid4().hex
         self._data(upload_id).touch(exist_ok=False)
         meta = json.dumps({"repository": repository, "started": time.time()})
@@ -98,11 +103,16 @@ class Uploads:
 
     def scratch(self) -> Path:
         """A private file for a monolithic upload (counted like an open upload)."""
-        self._expire()
+        self._admit()
         return self.root / f".mono-{uuid.uuid4().hex}"
 
     def _expire(self) -> None:
         cutoff = time.time() - self.ttl
+        # a monolithic upload's file outlives its request only if the server died in it
+        for scratch in self.root.glob(".mono-*"):
+            with contextlib.suppress(OSError):
+                if scratch.stat().st_mtime < cutoff:
+                    scratch.unlink()
         for meta in self.root.glob("*.json"):
             with contextlib.suppress(OSError, ValueError):
                 if json.loads(meta.read_text()).get("started", 0) < cutoff:
