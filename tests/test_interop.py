@@ -105,6 +105,30 @@ def test_skopeo_is_refused_without_the_scope(server: Server, tmp_path: Path) -> 
     assert not (tmp_path / "x" / "index.json").exists()
 
 
+def test_oras_sdk_pulls_a_graft_with_a_scoped_token_and_every_digest_checks(
+        server: Server, tmp_path: Path) -> None:
+    from oras.provider import Registry as OrasRegistry
+
+    token = make_token(server.env, "oras", f"repository:{TEAM}:pull")
+    host = f"127.0.0.1:{server.port}"
+    oras = OrasRegistry(host, insecure=True)
+    oras.auth.set_basic_auth("ci", token)
+    target = f"{host}/{TEAM}:v1"
+    oci = oras.get_manifest(target)
+    assert oci["artifactType"] == GRAFT_TYPE
+    for i, desc in enumerate([oci["config"], *oci["layers"]]):
+        path = Path(oras.download_blob(target, desc["digest"], str(tmp_path / str(i))))
+        assert path.stat().st_size == desc["size"]
+        assert _sha256(path) == desc["digest"]
+    kv = json.loads((tmp_path / "1").read_bytes())
+    assert kv["mediaType"] == "application/vnd.kvgraft.manifest.v1+json"
+    other = OrasRegistry(host, insecure=True)
+    other.auth.set_basic_auth("ci", make_token(server.env, "oras-other",
+                                               "repository:other/*:pull"))
+    with pytest.raises(ValueError, match="Forbidden"):
+        other.get_manifest(target)
+
+
 # --- kvgraft copy into a stock OCI registry and back ------------------------------------
 
 
