@@ -290,3 +290,48 @@ def test_copy_back_refuses_an_oci_artifact_that_is_not_a_graft(
     out = _cli(env, "copy", f"oci+http://{hostport}/plain/image:v1", "plain/image:v1")
     assert out.returncode == 4 and "not a kvgraft graft" in out.stderr, out.stderr
     assert _cli(env, "ls", "--json").stdout.strip() == ""
+
+
+def test_copy_over_https_verifies_the_registry_certificate(graft_file: Path,
+                                                           tmp_path: Path) -> None:
+    from tests.test_server_tls import self_signed
+
+    certfile, keyfile = self_signed(tmp_path)
+    env = server_env(tmp_path / "home")
+    kvgraft(env, "push", str(graft_file), f"{TEAM}:v1", "--chunk-tokens", "128")
+    secret = tmp_path / "token"
+    secret.write_text(make_token(env, "tls", "repository:*:pull,push"))
+    with running_server(env, tmp_path / "server.log", "--certfile", str(certfile),
+                        "--keyfile", str(keyfile), scheme="https",
+                        verify=str(certfile)) as srv:
+        target = f"oci://127.0.0.1:{srv.port}/mirror/kv:v1"
+        out = _cli(env, "copy", f"{TEAM}:v1", target, "--token-file", str(secret))
+        assert out.returncode == 7 and "CERTIFICATE_VERIFY_FAILED" in out.stderr, out.stderr
+        trusted = {**env, "SSL_CERT_FILE": str(certfile)}
+        sent = _json(_cli(trusted, "copy", f"{TEAM}:v1", target, "--token-file", str(secret),
+                          "--json"))
+        back = server_env(tmp_path / "back", SSL_CERT_FILE=str(certfile))
+        got = _json(_cli(back, "copy", target, "team/kv:v1", "--token-file", str(secret),
+                         "--json"))
+        assert got["digest"] == sent["digest"] and got["blobs_copied"] == got["blobs"]
+
+
+@pytest.mark.parametrize("url", ["oci://", "oci://host", "oci://host/", "ftp://host/a:b",
+                                 "oci://host/Upper:v1", "oci://host/a/../b:v1",
+                                 "oci://host/a:bad tag"])
+def test_bad_oci_urls_are_refused(url: str) -> None:
+    from kvgraft.errors import UsageError
+    from kvgraft.ocidist import OciLocation
+
+    with pytest.raises(UsageError):
+        OciLocation.parse(url)
+
+
+def test_oci_urls_choose_the_scheme() -> None:
+    from kvgraft.ocidist import OciLocation
+
+    loc = OciLocation.parse("oci://r.example:5000/team/kv:v2")
+    assert (loc.scheme, loc.netloc, loc.repository, loc.tag) == \
+        ("https", "r.example:5000", "team/kv", "v2")
+    assert OciLocation.parse("oci+http://r/kv").registry_url == "http://r"
+    assert OciLocation.parse("http://r/kv").tag == "latest"
