@@ -335,3 +335,23 @@ def test_oci_urls_choose_the_scheme() -> None:
         ("https", "r.example:5000", "team/kv", "v2")
     assert OciLocation.parse("oci+http://r/kv").registry_url == "http://r"
     assert OciLocation.parse("http://r/kv").tag == "latest"
+
+
+def test_copy_back_needs_the_parent_first(server: Server, distribution: tuple[str, Path],
+                                          graft_file: Path, tmp_path: Path) -> None:
+    hostport, _ = distribution
+    parent = kvgraft(server.env, "push", str(graft_file), "lineage/kv:parent")
+    kvgraft(server.env, "push", str(graft_file), "lineage/kv:child", "--chunk-tokens", "64",
+            "--parent", "lineage/kv:parent")
+    for tag in ("parent", "child"):
+        _json(_cli(server.env, "copy", f"lineage/kv:{tag}",
+                   f"oci+http://{hostport}/lineage/kv:{tag}", "--json"))
+    env = server_env(tmp_path / "back")
+    out = _cli(env, "copy", f"oci+http://{hostport}/lineage/kv:child", "lineage/kv:child")
+    assert out.returncode == 3 and "copy the parent first" in out.stderr, out.stderr
+    _json(_cli(env, "copy", f"oci+http://{hostport}/lineage/kv:parent", "lineage/kv:parent",
+               "--json"))
+    child = _json(_cli(env, "copy", f"oci+http://{hostport}/lineage/kv:child",
+                       "lineage/kv:child", "--json"))
+    assert _json(_cli(env, "inspect", "lineage/kv:child", "--json"))["manifest"]["parents"] \
+        == [parent.splitlines()[-1]] and child["blobs_copied"] > 0
