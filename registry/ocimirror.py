@@ -97,6 +97,11 @@ def pull_graft(client: OciClient, src: OciLocation, reg: Registry, dst: Referenc
     digest = Digest.parse(kv_layer["digest"])
     raw = client.get_blob(src.repository, digest, kv_layer["size"])
     manifest = Manifest.parse(raw, digest)  # the artifact digest vouches for every blob
+    # Before any blob moves: a graft is committed only with its lineage.
+    for parent in manifest.parents:
+        if not reg.catalog.has_artifact(parent):
+            raise NotFound(f"parent artifact {parent} of {src} is not in the catalog",
+                           hint="copy the parent first")
 
     def one(ref: BlobRef) -> tuple[BlobRecord, int]:
         existing = existing_record(reg.store, ref.digest, ref.size)
@@ -113,10 +118,6 @@ def pull_graft(client: OciClient, src: OciLocation, reg: Registry, dst: Referenc
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="kvgraft-oci") as pool:
         results = list(pool.map(one, manifest.blobs()))
     moved = [n for _, n in results if n]
-    for parent in manifest.parents:
-        if not reg.catalog.has_artifact(parent):
-            raise NotFound(f"parent artifact {parent} of {src} is not in the catalog",
-                           hint="copy the parent first")
     reg.catalog.record_push(PushRecord(
         manifest, tuple(r for r, _ in results), dst.name, dst.tag, {},
         _event(reg, "copy", dst, digest, {

@@ -105,6 +105,30 @@ def test_skopeo_is_refused_without_the_scope(server: Server, tmp_path: Path) -> 
     assert not (tmp_path / "x" / "index.json").exists()
 
 
+def test_oras_sdk_pulls_a_graft_with_a_scoped_token_and_every_digest_checks(
+        server: Server, tmp_path: Path) -> None:
+    from oras.provider import Registry as OrasRegistry
+
+    token = make_token(server.env, "oras", f"repository:{TEAM}:pull")
+    host = f"127.0.0.1:{server.port}"
+    oras = OrasRegistry(host, insecure=True)
+    oras.auth.set_basic_auth("ci", token)
+    target = f"{host}/{TEAM}:v1"
+    oci = oras.get_manifest(target)
+    assert oci["artifactType"] == GRAFT_TYPE
+    for i, desc in enumerate([oci["config"], *oci["layers"]]):
+        path = Path(oras.download_blob(target, desc["digest"], str(tmp_path / str(i))))
+        assert path.stat().st_size == desc["size"]
+        assert _sha256(path) == desc["digest"]
+    kv = json.loads((tmp_path / "1").read_bytes())
+    assert kv["mediaType"] == "application/vnd.kvgraft.manifest.v1+json"
+    other = OrasRegistry(host, insecure=True)
+    other.auth.set_basic_auth("ci", make_token(server.env, "oras-other",
+                                               "repository:other/*:pull"))
+    with pytest.raises(ValueError, match="Forbidden"):
+        other.get_manifest(target)
+
+
 # --- kvgraft copy into a stock OCI registry and back ------------------------------------
 
 
@@ -266,3 +290,68 @@ def test_copy_back_refuses_an_oci_artifact_that_is_not_a_graft(
     out = _cli(env, "copy", f"oci+http://{hostport}/plain/image:v1", "plain/image:v1")
     assert out.returncode == 4 and "not a kvgraft graft" in out.stderr, out.stderr
     assert _cli(env, "ls", "--json").stdout.strip() == ""
+
+
+def test_copy_over_https_verifies_the_registry_certificate(graft_file: Path,
+                                                           tmp_path: Path) -> None:
+    from tests.test_server_tls import self_signed
+
+    certfile, keyfile = self_signed(tmp_path)
+    env = server_env(tmp_path / "home")
+    kvgraft(env, "push", str(graft_file), f"{TEAM}:v1", "--chunk-tokens", "128")
+    secret = tmp_path / "token"
+    secret.write_text(make_token(env, "tls", "repository:*:pull,push"))
+    with running_server(env, tmp_path / "server.log", "--certfile", str(certfile),
+                        "--keyfile", str(keyfile), scheme="https",
+                        verify=str(certfile)) as srv:
+        target = f"oci://127.0.0.1:{srv.port}/mirror/kv:v1"
+        out = _cli(env, "copy", f"{TEAM}:v1", target, "--token-file", str(secret))
+        assert out.returncode == 7 and "CERTIFICATE_VERIFY_FAILED" in out.stderr, out.stderr
+        trusted = {**env, "SSL_CERT_FILE": str(certfile)}
+        sent = _json(_cli(trusted, "copy", f"{TEAM}:v1", target, "--token-file", str(secret),
+                          "--json"))
+        back = server_env(tmp_path / "back", SSL_CERT_FILE=str(certfile))
+        got = _json(_cli(back, "copy", target, "team/kv:v1", "--token-file", str(secret),
+                         "--json"))
+        assert got["digest"] == sent["digest"] and got["blobs_copied"] == got["blobs"]
+
+
+@pytest.mark.parametrize("url", ["oci://", "oci://host", "oci://host/", "ftp://host/a:b",
+                                 "oci://host/Upper:v1", "oci://host/a/../b:v1",
+                                 "oci://host/a:bad tag"])
+def test_bad_oci_urls_are_refused(url: str) -> None:
+    from kvgraft.errors import UsageError
+    from kvgraft.ocidist import OciLocation
+
+    with pytest.raises(UsageError):
+        OciLocation.parse(url)
+
+
+def test_oci_urls_choose_the_scheme() -> None:
+    from kvgraft.ocidist import OciLocation
+
+    loc = OciLocation.parse("oci://r.example:5000/team/kv:v2")
+    assert (loc.scheme, loc.netloc, loc.repository, loc.tag) == \
+        ("https", "r.example:5000", "team/kv", "v2")
+    assert OciLocation.parse("oci+http://r/kv").registry_url == "http://r"
+    assert OciLocation.parse("http://r/kv").tag == "latest"
+
+
+def test_copy_back_needs_the_parent_first(server: Server, distribution: tuple[str, Path],
+                                          graft_file: Path, tmp_path: Path) -> None:
+    hostport, _ = distribution
+    parent = kvgraft(server.env, "push", str(graft_file), "lineage/kv:parent")
+    kvgraft(server.env, "push", str(graft_file), "lineage/kv:child", "--chunk-tokens", "64",
+            "--parent", "lineage/kv:parent")
+    for tag in ("parent", "child"):
+        _json(_cli(server.env, "copy", f"lineage/kv:{tag}",
+                   f"oci+http://{hostport}/lineage/kv:{tag}", "--json"))
+    env = server_env(tmp_path / "back")
+    out = _cli(env, "copy", f"oci+http://{hostport}/lineage/kv:child", "lineage/kv:child")
+    assert out.returncode == 3 and "copy the parent first" in out.stderr, out.stderr
+    _json(_cli(env, "copy", f"oci+http://{hostport}/lineage/kv:parent", "lineage/kv:parent",
+               "--json"))
+    child = _json(_cli(env, "copy", f"oci+http://{hostport}/lineage/kv:child",
+                       "lineage/kv:child", "--json"))
+    assert _json(_cli(env, "inspect", "lineage/kv:child", "--json"))["manifest"]["parents"] \
+        == [parent.splitlines()[-1]] and child["blobs_copied"] > 0
