@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test lint typecheck pytest demo bench wheel clean
+.PHONY: venv test lint typecheck pytest demo demo-vllm bench wheel clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,9 @@ test: lint typecheck pytest
 demo: venv
 	$(BIN)/python -m scripts.demo_graft
 
+demo-vllm: venv
+	$(BIN)/python -m scripts.demo_vllm
+
 bench: venv
 	$(BIN)/python -m benchmarks.run
 
@@ -46,4 +49,4 @@ wheel: venv
 	$(BIN)/pip wheel -q --no-deps -w dist .
 
 clean:
-	rm -rf $(VENV) dist build .bench .demo .demo-graft .services
+	rm -rf $(VENV) dist build .bench .demo .demo-graft .demo-vllm .services

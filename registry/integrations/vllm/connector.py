@@ -172,13 +172,14 @@ class KvgraftConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         rid = request.request_id
         if rid not in self._plans:
-            self._plans[rid] = self._find(request)
+            self._plans[rid] = self._find(request, num_computed_tokens)
         plan = self._plans[rid]
         if plan is None or plan.end <= num_computed_tokens:
             return 0, False
         return plan.end - num_computed_tokens, False
 
-    def _find(self, request: Request) -> RestorePlan | None:
+    def _find(self, request: Request, local: int) -> RestorePlan | None:
+        """The restore plan of a new request; `local`: tokens vLLM's own prefix cache has."""
         if not self.enabled or self.registry is None or self.ident is None:
             return None
         ids = [int(t) for t in (request.prompt_token_ids or [])]
@@ -191,7 +192,7 @@ class KvgraftConnector(KVConnectorBase_V1):
             covered = 0 if found is None else found[1]
             self._covered[request.request_id] = covered
             end = min(covered, len(ids) - 1) // self._block * self._block
-            if found is None or not self._restore or end <= 0:
+            if found is None or not self._restore or end <= local:
                 return None
             manifest, _, cross = found
             digest = str(manifest.digest)
@@ -318,7 +319,7 @@ class KvgraftConnector(KVConnectorBase_V1):
                     shape = tuple(entry["shape"])
                     t = paged.tensor_from(buf, base + entry["data_offsets"][0], shape, dtype)
                     kv.append(t[:, a:b])
-                paged.scatter(dst, blocks, self._block, kv[0].contiguous(), kv[1].contiguous())
+                paged.scatter(dst, blocks, self._block, kv[0], kv[1])
                 written += 2 * kv[0].numel() * kv[0].element_size()
         seconds = time.perf_counter() - t0
         self.counters.add("restored")

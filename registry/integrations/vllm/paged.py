@@ -51,9 +51,11 @@ def scatter(view: torch.Tensor, blocks: Sequence[int], block_size: int, key: tor
     if tokens != n * block_size or value.shape != key.shape:
         raise UsageError(f"span of {tokens} tokens does not fill {n} blocks")
     idx = torch.tensor(list(blocks), dtype=torch.long)
-    both = torch.cat((key.view(heads, n, block_size, dim), value.view(heads, n, block_size, dim)),
-                     dim=2)  # [H, n, 2B, D]
-    view.index_copy_(0, idx, both.transpose(0, 1))
+    # one indexed copy each for the key rows and the value rows of the blocks
+    view[:, :, :block_size].index_copy_(
+        0, idx, key.reshape(heads, n, block_size, dim).transpose(0, 1))
+    view[:, :, block_size:].index_copy_(
+        0, idx, value.reshape(heads, n, block_size, dim).transpose(0, 1))
 
 
 def tensor_from(buf: Any, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
