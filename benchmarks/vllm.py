@@ -135,7 +135,7 @@ def run(report: Callable[[dict[str, Any]], None], *, workdir: Path = Path(".benc
 
     from benchmarks.graft import document_tokens
 
-    root = workdir / "vllm"
+    root = workdir.absolute() / "vllm"
     shared = root / f"shared-{int(time.time())}"
     shared.mkdir(parents=True)
     Catalog.open(f"sqlite:///{shared / 'catalog.db'}", auto_upgrade=True).close()

@@ -31,10 +31,9 @@ import pytest
 from kvgraft.catalog import Catalog
 from kvgraft.client import Registry
 from kvgraft.config import Config
+from kvgraft.errors import UsageError
 from tests.models import build
 from tests.services import free_ports
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 128  # vLLM's CPU block size
@@ -125,6 +124,7 @@ def _events(world: dict[str, Any], action: str) -> list[Any]:
         reg.close()
 
 
+@pytest.mark.slow
 def test_node_a_publishes_full_chunks(world: dict[str, Any]) -> None:
     a = world["a"]
     assert a[0]["cached"] == 0 and a[2]["cached"] == 0  # computed cold
@@ -141,6 +141,7 @@ def test_node_a_publishes_full_chunks(world: dict[str, Any]) -> None:
         reg.close()
 
 
+@pytest.mark.slow
 def test_node_b_restores_and_matches_two_step_reference(world: dict[str, Any],
                                                        node_b: list[dict[str, Any]]) -> None:
     ref, got = world["a"][1], node_b[0]
@@ -152,6 +153,7 @@ def test_node_b_restores_and_matches_two_step_reference(world: dict[str, Any],
     assert restores[0].detail["engine"]["name"] == "vllm"
 
 
+@pytest.mark.slow
 def test_corrupt_blob_falls_back_with_integrity_event(world: dict[str, Any],
                                                       node_b: list[dict[str, Any]]) -> None:
     cold, got = world["a"][2], node_b[1]
@@ -161,6 +163,7 @@ def test_corrupt_blob_falls_back_with_integrity_event(world: dict[str, Any],
     assert [e.detail["reason"] for e in failed] == ["integrity"]
 
 
+@pytest.mark.slow
 def test_other_weights_get_no_restore(world: dict[str, Any],
                                       node_b: list[dict[str, Any]]) -> None:
     before = len(_events(world, "restore"))
@@ -209,6 +212,7 @@ def server(world: dict[str, Any]) -> Iterator[str]:
         log.close()
 
 
+@pytest.mark.slow
 def test_http_server_with_unreachable_store_computes(world: dict[str, Any],
                                                      node_b: list[dict[str, Any]],
                                                      server: str) -> None:
@@ -226,3 +230,37 @@ def test_http_server_with_unreachable_store_computes(world: dict[str, Any],
         reasons = [e.detail["reason"] for e in _events(world, "restore")
                    if e.outcome == "failed"]
     assert "unavailable" in reasons
+
+
+def test_paged_copies_match_the_cpu_attention_layout() -> None:
+    import torch
+
+    from kvgraft.integrations.vllm import paged
+
+    blocks, heads, dim = 6, 2, 64
+    raw = torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=torch.bfloat16)
+    view = paged.block_view(raw, heads, BLOCK, dim, torch.bfloat16)
+    key = torch.randn(heads, 2 * BLOCK, dim).bfloat16()
+    value = torch.randn(heads, 2 * BLOCK, dim).bfloat16()
+    paged.scatter(view, [4, 1], BLOCK, key, value)
+    # how vLLM's CPU attention reads it: [blocks, heads, 2 * block, dim], keys then values
+    k_cache, v_cache = raw.view(blocks, heads, 2 * BLOCK, dim).chunk(2, dim=2)
+    assert torch.equal(k_cache[4, 1], key[1, :BLOCK])
+    assert torch.equal(v_cache[1, 0], value[0, BLOCK:])
+    assert torch.count_nonzero(raw[[0, 2, 3, 5]]) == 0
+    k2, v2 = paged.gather(view, [4, 1], BLOCK)
+    assert torch.equal(k2, key) and torch.equal(v2, value)
+    with pytest.raises(UsageError):
+        paged.scatter(view, [4], BLOCK, key, value)  # 2 blocks of tokens into 1
+
+
+def test_settings_refuse_unknown_keys_and_align_chunks() -> None:
+    from kvgraft.integrations.vllm.store import Settings, aligned_chunk_tokens
+
+    with pytest.raises(UsageError, match="publsh"):
+        Settings.parse({"publsh": True})
+    s = Settings.parse({"repository": "team/x", "blob_url": "file:///tmp/x"})
+    assert s.repository == "team/x" and s.overrides == {"blob_url": "file:///tmp/x"}
+    assert aligned_chunk_tokens(256, 128) == 256
+    assert aligned_chunk_tokens(200, 128) == 256
+    assert aligned_chunk_tokens(64, 128) == 128
