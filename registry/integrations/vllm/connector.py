@@ -232,10 +232,16 @@ class KvgraftConnector(KVConnectorBase_V1):
                              + scheduler_output.num_scheduled_tokens.get(rid, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            if rid in self._need_load and rid in cached.resumed_req_ids and new_blocks:
+                # resumed after preemption: its blocks were freed and must be loaded again;
+                # for a resumed request new_block_ids are all of its blocks
+                plan, start = self._need_load.pop(rid)
+                meta.loads.append(LoadSpec(rid, plan, start,
+                                           list(new_blocks[0])[: plan.end // self._block]))
             pending = self._pending.get(rid)
             if pending is None:
                 continue
-            new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:
                 if rid in cached.resumed_req_ids:
                     pending.block_ids = list(new_blocks[0])
