@@ -72,9 +72,10 @@ def node(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _run_node(spec: dict[str, Any]) -> dict[str, Any]:
+def _run_node(spec: dict[str, Any], log: Path) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "benchmarks.vllm", "--node", json.dumps(spec)],
                           capture_output=True, text=True, timeout=3600)
+    log.write_text(proc.stderr)  # the connector's timings (lookup, fetch, restore) are here
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVGRAFT-NODE ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM node failed:\n{proc.stderr[-4000:]}")
@@ -143,10 +144,11 @@ def run(report: Callable[[dict[str, Any]], None], *, workdir: Path = Path(".benc
     tokenizer = AutoTokenizer.from_pretrained(model)
     prompts = [document_tokens(tokenizer, n) for n in sizes]
     pub = _run_node({"model": str(model), "env": _env(shared, root / "publisher"),
-                     "prompts": prompts, "repeat": 1, "prefix_caching": True})
+                     "prompts": prompts, "repeat": 1, "prefix_caching": True},
+                    shared / "publisher.log")
     renv = _env(shared, shared / "restorer")
     res = _run_node({"model": str(model), "env": renv, "prompts": prompts, "repeat": 4,
-                     "prefix_caching": False})
+                     "prefix_caching": False}, shared / "restorer.log")
     events = _restore_events(renv)
     for n, ids in zip(sizes, prompts, strict=True):
         cold, got = pub[str(n)], res[str(n)]

@@ -20,6 +20,7 @@ import logging
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvgraft")
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 CLOSE_TIMEOUT = 120.0  # seconds shutdown waits for queued publishes
+FETCH_THREADS = 2  # chunk decode + verify threads of a restore
+FETCH_WINDOW = 3  # chunks decoded ahead of the copies (one buffer each)
 
 
 @dataclass
@@ -140,6 +143,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         self._views: list[torch.Tensor] = []
         self._saving: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._load_errors: set[int] = set()
+        self._bufs: list[bytearray] = []
         self._lock = threading.Lock()
         if self.ident is not None:
             log.info("kvgraft: %s side ready for %s (identity %s, chunks of %d tokens, "
@@ -185,6 +189,8 @@ class KvgraftConnector(KVConnectorBase_V1):
         ids = [int(t) for t in (request.prompt_token_ids or [])]
         if len(ids) < max(1, self.settings.min_tokens) or not (self._restore or self._publish):
             return None
+        if len(ids) <= self._block and len(ids) < self._chunk:
+            return None  # nothing to restore (a block and a token) nor to publish (a chunk)
         digest = None
         try:
             t0 = time.perf_counter()
@@ -305,28 +311,45 @@ class KvgraftConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         fetcher = Fetcher(registry.store, registry.cache)
         dtype = paged.TORCH_DTYPES[ident.kv_dtype]
+        todo = [c for c in spec.plan.chunks
+                if max(c[0], spec.start) < min(c[1], spec.plan.end)]
+        window = min(FETCH_WINDOW, len(todo))
+        size = max(c[3] for c in todo)
+        if len(self._bufs) < window or len(self._bufs[0]) < size:
+            self._bufs = [bytearray(size) for _ in range(window)]  # reused across restores
+        bufs = self._bufs
+
+        def fetch(k: int) -> memoryview:
+            _, _, digest, n = todo[k]
+            into = memoryview(bufs[k % window])[:n]
+            data, _ = fetcher.get(BlobRef(Digest.parse(digest), n), into)
+            return memoryview(data)
+
         written = 0
-        buf = bytearray(max(size for _, _, _, size in spec.plan.chunks))
-        for c_start, c_end, digest, size in spec.plan.chunks:
-            lo, hi = max(c_start, spec.start), min(c_end, spec.plan.end)
-            if lo >= hi:
-                continue
-            data, _ = fetcher.get(BlobRef(Digest.parse(digest), size), memoryview(buf)[:size])
-            view = memoryview(data)
-            hlen = int.from_bytes(view[:8], "little")
-            header = json.loads(bytes(view[8 : 8 + hlen]))
-            base = 8 + hlen
-            blocks = spec.block_ids[lo // self._block : hi // self._block]
-            a, b = lo - c_start, hi - c_start
-            for i, dst in enumerate(self._views):
-                kv = []
-                for part in ("key", "value"):
-                    entry = header[f"layers.{i}.{part}"]
-                    shape = tuple(entry["shape"])
-                    t = paged.tensor_from(buf, base + entry["data_offsets"][0], shape, dtype)
-                    kv.append(t[:, a:b])
-                paged.scatter(dst, blocks, self._block, kv[0], kv[1])
-                written += 2 * kv[0].numel() * kv[0].element_size()
+        # Chunks are decoded and verified (zstd and SHA-256 release the GIL) by two threads
+        # ahead of the copies into the blocks; chunk k + window reuses chunk k's buffer only
+        # once chunk k has been copied.
+        with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvgraft-load") as pool:
+            futures = {k: pool.submit(fetch, k) for k in range(window)}
+            for k, (c_start, c_end, _, _) in enumerate(todo):
+                view = futures.pop(k).result()
+                lo, hi = max(c_start, spec.start), min(c_end, spec.plan.end)
+                hlen = int.from_bytes(view[:8], "little")
+                header = json.loads(bytes(view[8 : 8 + hlen]))
+                base = 8 + hlen
+                blocks = spec.block_ids[lo // self._block : hi // self._block]
+                a, b = lo - c_start, hi - c_start
+                for i, dst in enumerate(self._views):
+                    kv = []
+                    for part in ("key", "value"):
+                        entry = header[f"layers.{i}.{part}"]
+                        t = paged.tensor_from(view, base + entry["data_offsets"][0],
+                                              tuple(entry["shape"]), dtype)
+                        kv.append(t[:, a:b])
+                    paged.scatter(dst, blocks, self._block, kv[0], kv[1])
+                    written += 2 * kv[0].numel() * kv[0].element_size()
+                if k + window < len(todo):
+                    futures[k + window] = pool.submit(fetch, k + window)
         seconds = time.perf_counter() - t0
         self.counters.add("restored")
         self.counters.add("restored_tokens", spec.plan.end - spec.start)
