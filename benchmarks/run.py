@@ -1,7 +1,7 @@
 """`make bench`: every benchmark, each against a baseline measured in the same run.
 
 Rows are printed as they come and written to .bench/results.json.
-    python -m benchmarks.run [--size-mib 1024] [--only startup,core,s3,s3link,codec,graft,server]
+    python -m benchmarks.run [--size-mib 1024] [--only startup,core,s3,s3link,codec,graft,server,vllm]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ WORKDIR = Path(".bench")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
-    parser.add_argument("--only", default="startup,core,s3,s3link,codec,graft,server")
+    parser.add_argument("--only", default="startup,core,s3,s3link,codec,graft,server,vllm")
     args = parser.parse_args()
     wanted = set(args.only.split(","))
     rows: list[dict[str, Any]] = []
@@ -58,6 +58,10 @@ def main() -> None:
         from benchmarks import server
 
         server.run(WORKDIR, kv, report)
+    if "vllm" in wanted:
+        from benchmarks import vllm
+
+        vllm.run(report)
     result = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"cpus": __import__("os").cpu_count(),
                           "python": platform.python_version()},

@@ -1,0 +1,73 @@
+"""A bounded queue of jobs run by one daemon thread, off vLLM's request path.
+
+Publishing a graft (encoding, hashing, uploading, one catalog transaction) and writing audit
+events never run on a scheduling or forward step: they are queued here. When the queue is
+full the job is dropped, counted and logged: a dropped publish is only a future cache miss,
+and the engine never waits for the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+log = logging.getLogger("vllm.kvgraft")
+
+
+class Counters:
+    """Thread-safe event counters (restores, fallbacks by reason, publishes, drops)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: Counter[str] = Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+
+class Background:
+    def __init__(self, name: str, size: int, counters: Counters) -> None:
+        self._q: queue.Queue[tuple[str, Callable[[], None]] | None] = queue.Queue(size)
+        self._counters = counters
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, kind: str, job: Callable[[], None]) -> bool:
+        try:
+            self._q.put_nowait((kind, job))
+        except queue.Full:
+            self._counters.add(f"dropped.{kind}")
+            log.warning("kvgraft: %s queue full, dropped one %s job", self._thread.name, kind)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                kind, job = item
+                try:
+                    job()
+                except Exception as e:  # a failed job must not stop the ones behind it
+                    self._counters.add(f"failed.{kind}")
+                    log.warning("kvgraft: %s job failed: %s", kind, e)
+            finally:
+                self._q.task_done()
+
+    def close(self, timeout: float) -> None:
+        """Run what is queued (up to `timeout` seconds), then stop."""
+        try:
+            self._q.put(None, timeout=timeout)
+        except queue.Full:
+            return
+        self._thread.join(timeout)

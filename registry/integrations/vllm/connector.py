@@ -1,0 +1,412 @@
+"""KvgraftConnector: vLLM's KV connector (v1 API) backed by the kvgraft registry.
+
+Scheduler side: for a new request, the longest prefix of its prompt the registry holds for
+this engine's identity (one indexed prefix lookup), aligned down to whole vLLM blocks and
+kept one token short of the prompt (vLLM must compute at least the last token). The chunks
+it needs are fetched into the machine cache, each verified, before vLLM is told: a corrupt
+blob or an unreachable store or catalog means 0 tokens matched, and the request computes
+its prefill. Worker side: the chunks are read back from the machine cache (verified again
+on read) and written into the blocks vLLM allocated. Prompts the engine computed are
+published, full chunks only, by a background thread.
+
+Failures never reach vLLM: each one is logged, counted and recorded as an audit event,
+and the request computes what it would have restored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import IntegrityError, RegistryError
+from kvgraft.integrations.vllm import paged
+from kvgraft.integrations.vllm.background import Background, Counters
+from kvgraft.integrations.vllm.identity import EngineIdentity, engine_identity
+from kvgraft.integrations.vllm.store import (
+    RestorePlan,
+    Settings,
+    aligned_chunk_tokens,
+    check_policy,
+    default_repository,
+    event,
+    lookup,
+    plan_restore,
+    prefetch,
+    publish,
+)
+from kvgraft.manifest import BlobRef
+from kvgraft.pull import Fetcher
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvgraft")
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+CLOSE_TIMEOUT = 120.0  # seconds shutdown waits for queued publishes
+FETCH_THREADS = 2  # chunk decode + verify threads of a restore
+FETCH_WINDOW = 3  # chunks decoded ahead of the copies (one buffer each)
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    plan: RestorePlan
+    start: int  # tokens vLLM already had (its own prefix cache): not rewritten
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class KvgraftMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    token_ids: list[int]  # the prefix to publish (whole chunks)
+    block_ids: list[int]
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, IntegrityError):
+        return "integrity"
+    if isinstance(e, ConnectionError | TimeoutError | OSError):
+        return "unavailable"
+    return type(e).__name__
+
+
+class KvgraftConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        ktc = self._kv_transfer_config
+        self.settings = Settings.parse(dict(ktc.kv_connector_extra_config or {}))
+        self.counters = Counters()
+        self._block = int(vllm_config.cache_config.block_size)
+        self._chunk = aligned_chunk_tokens(self.settings.chunk_tokens, self._block)
+        self._restore = (ktc.is_kv_consumer if self.settings.restore is None
+                         else bool(self.settings.restore))
+        self._publish = (ktc.is_kv_producer if self.settings.publish is None
+                         else bool(self.settings.publish))
+        self.ident: EngineIdentity | None = None
+        self.registry: Registry | None = None
+        self.repository = self.settings.repository or ""
+        try:
+            self.registry = self.settings.open()
+            from vllm.platforms import current_platform
+
+            if current_platform.device_type != "cpu":
+                raise RegistryError("the kvgraft connector supports vLLM's CPU attention "
+                                    "backend's paged layout only")
+            self.ident = engine_identity(vllm_config, backend="CPU_ATTN",
+                                         cache_dir=self.registry.config.cache_dir)
+            self.repository = self.repository or default_repository(self.ident.name)
+        except Exception as e:  # never stop the engine: serve without the registry
+            self.counters.add("disabled")
+            log.error("kvgraft: connector disabled, every request computes its prefill: %s", e)
+        self._bg = Background(f"kvgraft-{role.name.lower()}",
+                              max(1, self.settings.queue_size), self.counters)
+        # scheduler state
+        self._plans: dict[str, RestorePlan | None] = {}
+        self._covered: dict[str, int] = {}
+        self._need_load: dict[str, tuple[RestorePlan, int]] = {}
+        self._pending: dict[str, _Pending] = {}
+        # worker state
+        self._views: list[torch.Tensor] = []
+        self._saving: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._load_errors: set[int] = set()
+        self._bufs: list[bytearray] = []
+        self._lock = threading.Lock()
+        if self.ident is not None:
+            log.info("kvgraft: %s side ready for %s (identity %s, chunks of %d tokens, "
+                     "restore=%s publish=%s)", role.name.lower(), self.ident.name,
+                     self.ident.identity.key, self._chunk, self._restore, self._publish)
+
+    @property
+    def enabled(self) -> bool:
+        return self.ident is not None and self.registry is not None
+
+    def _record(self, action: str, digest: str | None, outcome: str,
+                detail: dict[str, Any]) -> None:
+        registry = self.registry
+        if registry is None:
+            return
+        full = {"engine": (self.ident.engine if self.ident else None), **detail}
+        self._bg.submit("event", lambda: event(registry, action, digest, outcome, full,
+                                               self.repository or None))
+
+    def _fallback(self, req_id: str, digest: str | None, e: BaseException) -> None:
+        reason = _reason(e)
+        self.counters.add(f"fallback.{reason}")
+        log.warning("kvgraft: request %s computes its prefill (%s): %s", req_id, reason, e)
+        self._record("restore", digest, "failed", {"request": req_id, "reason": reason,
+                                                   "error": str(e)})
+
+    # --- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
+                                   ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if rid not in self._plans:
+            self._plans[rid] = self._find(request, num_computed_tokens)
+        plan = self._plans[rid]
+        if plan is None or plan.end <= num_computed_tokens:
+            return 0, False
+        return plan.end - num_computed_tokens, False
+
+    def _find(self, request: Request, local: int) -> RestorePlan | None:
+        """The restore plan of a new request; `local`: tokens vLLM's own prefix cache has."""
+        if not self.enabled or self.registry is None or self.ident is None:
+            return None
+        ids = [int(t) for t in (request.prompt_token_ids or [])]
+        if len(ids) < max(1, self.settings.min_tokens) or not (self._restore or self._publish):
+            return None
+        if len(ids) <= self._block and len(ids) < self._chunk:
+            return None  # nothing to restore (a block and a token) nor to publish (a chunk)
+        digest = None
+        try:
+            t0 = time.perf_counter()
+            found = lookup(self.registry, self.ident, ids, self.settings.allow_cross_engine)
+            covered = 0 if found is None else found[1]
+            self._covered[request.request_id] = covered
+            end = min(covered, len(ids) - 1) // self._block * self._block
+            if found is None or not self._restore or end <= local:
+                return None
+            manifest, _, cross = found
+            digest = str(manifest.digest)
+            check_policy(self.registry, self.repository, manifest.digest, manifest)
+            plan = plan_restore(manifest, end, covered, cross)
+            fetched = prefetch(self.registry, plan)
+            log.info("kvgraft: request %s restores %d of %d prompt tokens from %s%s "
+                     "(lookup+fetch %.3f s, %d bytes fetched)", request.request_id, end,
+                     len(ids), digest, " (cross-engine)" if cross else "",
+                     time.perf_counter() - t0, fetched)
+            return plan
+        except Exception as e:
+            self._covered.setdefault(request.request_id, 0)
+            self._fallback(request.request_id, digest, e)
+            return None
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        plan = self._plans.get(request.request_id)
+        if num_external_tokens > 0 and plan is not None:
+            self._need_load[request.request_id] = (plan, plan.end - num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvgraftMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            rid = new.req_id
+            blocks = list(new.block_ids[0]) if new.block_ids else []
+            if rid in self._need_load:
+                plan, start = self._need_load.pop(rid)
+                meta.loads.append(LoadSpec(rid, plan, start, blocks[: plan.end // self._block]))
+            ids = list(new.prompt_token_ids or [])
+            n = len(ids) // self._chunk * self._chunk
+            if (self._publish and self.enabled and n > 0 and n > self._covered.get(rid, n)
+                    and len(ids) >= self.settings.min_tokens):
+                self._pending[rid] = _Pending(ids[:n], blocks)
+            self._maybe_save(meta, rid, new.num_computed_tokens
+                             + scheduler_output.num_scheduled_tokens.get(rid, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            if rid in self._need_load and rid in cached.resumed_req_ids and new_blocks:
+                # resumed after preemption: its blocks were freed and must be loaded again;
+                # for a resumed request new_block_ids are all of its blocks
+                plan, start = self._need_load.pop(rid)
+                meta.loads.append(LoadSpec(rid, plan, start,
+                                           list(new_blocks[0])[: plan.end // self._block]))
+            pending = self._pending.get(rid)
+            if pending is None:
+                continue
+            if new_blocks is not None:
+                if rid in cached.resumed_req_ids:
+                    pending.block_ids = list(new_blocks[0])
+                else:
+                    pending.block_ids.extend(new_blocks[0])
+            self._maybe_save(meta, rid, cached.num_computed_tokens[i]
+                             + scheduler_output.num_scheduled_tokens.get(rid, 0))
+        return meta
+
+    def _maybe_save(self, meta: KvgraftMetadata, rid: str, computed_after_step: int) -> None:
+        pending = self._pending.get(rid)
+        if pending is None or computed_after_step < len(pending.token_ids):
+            return
+        del self._pending[rid]
+        nblocks = len(pending.token_ids) // self._block
+        meta.saves.append(SaveSpec(rid, pending.token_ids, pending.block_ids[:nblocks]))
+
+    def request_finished(self, request: Request, block_ids: list[int],
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        for d in (self._plans, self._covered, self._need_load, self._pending):
+            d.pop(rid, None)
+        return False, None
+
+    # --- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        ident = self.ident
+        if ident is None:
+            return
+        try:
+            names = sorted(kv_caches, key=lambda n: int(_LAYER_INDEX.search(n).group(1)  # type: ignore[union-attr]
+                                                        ))
+            if len(names) != ident.layers:
+                raise RegistryError(f"{len(names)} paged KV layers, model has {ident.layers}")
+            dtype = paged.TORCH_DTYPES[ident.kv_dtype]
+            self._views = [paged.block_view(kv_caches[n], ident.kv_heads, self._block,
+                                            ident.head_dim, dtype) for n in names]
+        except Exception as e:
+            self.ident = None
+            self.counters.add("disabled")
+            log.error("kvgraft: connector disabled (paged KV layout): %s", e)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvgraftMetadata):
+            return
+        for spec in meta.loads:
+            try:
+                self._load(spec)
+            except Exception as e:
+                # The blocks hold nothing trustworthy: vLLM recomputes them
+                # (kv_load_failure_policy "recompute") or fails the request ("fail").
+                self._load_errors.update(spec.block_ids[spec.start // self._block:])
+                self._fallback(spec.req_id, spec.plan.digest, e)
+
+    def _load(self, spec: LoadSpec) -> None:
+        registry, ident = self.registry, self.ident
+        if registry is None or ident is None or not self._views:
+            raise RegistryError("connector disabled")
+        t0 = time.perf_counter()
+        fetcher = Fetcher(registry.store, registry.cache)
+        dtype = paged.TORCH_DTYPES[ident.kv_dtype]
+        todo = [c for c in spec.plan.chunks
+                if max(c[0], spec.start) < min(c[1], spec.plan.end)]
+        window = min(FETCH_WINDOW, len(todo))
+        size = max(c[3] for c in todo)
+        if len(self._bufs) < window or len(self._bufs[0]) < size:
+            self._bufs = [bytearray(size) for _ in range(window)]  # reused across restores
+        bufs = self._bufs
+
+        def fetch(k: int) -> memoryview:
+            _, _, digest, n = todo[k]
+            into = memoryview(bufs[k % window])[:n]
+            data, _ = fetcher.get(BlobRef(Digest.parse(digest), n), into)
+            return memoryview(data)
+
+        written = 0
+        # Chunks are decoded and verified (zstd and SHA-256 release the GIL) by two threads
+        # ahead of the copies into the blocks; chunk k + window reuses chunk k's buffer only
+        # once chunk k has been copied.
+        with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvgraft-load") as pool:
+            futures = {k: pool.submit(fetch, k) for k in range(window)}
+            for k, (c_start, c_end, _, _) in enumerate(todo):
+                view = futures.pop(k).result()
+                lo, hi = max(c_start, spec.start), min(c_end, spec.plan.end)
+                hlen = int.from_bytes(view[:8], "little")
+                header = json.loads(bytes(view[8 : 8 + hlen]))
+                base = 8 + hlen
+                blocks = spec.block_ids[lo // self._block : hi // self._block]
+                a, b = lo - c_start, hi - c_start
+                for i, dst in enumerate(self._views):
+                    kv = []
+                    for part in ("key", "value"):
+                        entry = header[f"layers.{i}.{part}"]
+                        t = paged.tensor_from(view, base + entry["data_offsets"][0],
+                                              tuple(entry["shape"]), dtype)
+                        kv.append(t[:, a:b])
+                    paged.scatter(dst, blocks, self._block, kv[0], kv[1])
+                    written += 2 * kv[0].numel() * kv[0].element_size()
+                if k + window < len(todo):
+                    futures[k + window] = pool.submit(fetch, k + window)
+        seconds = time.perf_counter() - t0
+        self.counters.add("restored")
+        self.counters.add("restored_tokens", spec.plan.end - spec.start)
+        log.info("kvgraft: restored %d tokens of %s into %d blocks (%.1f MB in %.3f s)",
+                 spec.plan.end - spec.start, spec.plan.digest, len(spec.block_ids),
+                 written / 1e6, seconds)
+        self._record("restore", spec.plan.digest, "ok", {
+            "request": spec.req_id, "tokens": spec.plan.end - spec.start,
+            "prefix_tokens": spec.plan.end, "bytes": written, "seconds": round(seconds, 6),
+            "cross_engine": spec.plan.cross_engine})
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loads every layer before the forward starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvgraftMetadata) or not meta.saves or self.ident is None:
+            return
+        m = _LAYER_INDEX.search(layer_name)
+        if m is None:
+            return
+        view = self._views[int(m.group(1))]
+        for spec in meta.saves:
+            self._saving.setdefault(spec.req_id, []).append(
+                paged.gather(view, spec.block_ids, self._block))
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvgraftMetadata) or not meta.saves:
+            return
+        registry, ident = self.registry, self.ident
+        for spec in meta.saves:
+            layers = self._saving.pop(spec.req_id, [])
+            if registry is None or ident is None or len(layers) != ident.layers:
+                continue
+            self._bg.submit("publish", self._publisher(registry, ident, spec, layers))
+
+    def _publisher(self, registry: Registry, ident: EngineIdentity, spec: SaveSpec,
+                   layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        def job() -> None:
+            t0 = time.perf_counter()
+            digest = publish(registry, ident, self.repository, self._chunk, spec.token_ids,
+                             layers)
+            self.counters.add("published")
+            log.info("kvgraft: published %d tokens of request %s as %s@%s (%.3f s)",
+                     len(spec.token_ids), spec.req_id, self.repository, digest,
+                     time.perf_counter() - t0)
+        return job
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._bg.close(CLOSE_TIMEOUT)
+        log.info("kvgraft: %s side counters %s", self.role.name.lower(),
+                 self.counters.snapshot())
+        if self.registry is not None:
+            self.registry.close()

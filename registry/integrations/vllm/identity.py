@@ -1,0 +1,90 @@
+"""The identity of the model a live vLLM engine serves, and the KV layout it serves it in.
+
+The model part is computed from vLLM's model directory with the same fingerprint code as
+the transformers integration (`fingerprint_dir`), so the two agree on architecture,
+tokenizer and weights. The engine part (vLLM and torch versions, attention backend, device,
+block size, KV dtype) is folded into the architecture digest: KV computed by one engine is
+not byte-exact in another, so an engine's prefix lookups (whose keys are seeded by the
+identity) only ever find grafts that engine can restore exactly. `plain` is the identity
+without the engine, the one transformers grafts of the same model carry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvgraft.errors import UsageError
+from kvgraft.fingerprint import architecture_digest, fingerprint_dir
+from kvgraft.identity import ModelIdentity
+
+# vLLM dtype names -> safetensors names (the KV file's dtype vocabulary)
+_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "half": "F16",
+           "float": "F32"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    identity: ModelIdentity  # the model as this engine serves it (engine folded in)
+    plain: ModelIdentity  # the same model without the engine (transformers grafts)
+    config: dict[str, Any]  # what the architecture digest covers, engine included
+    name: str
+    engine: dict[str, Any]
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str  # safetensors name
+    block_size: int
+
+
+def _dtype_name(dtype: Any) -> str:
+    text = str(dtype).removeprefix("torch.")
+    if text not in _DTYPES:
+        raise UsageError(f"KV dtype {dtype} is not supported by the kvgraft connector")
+    return _DTYPES[text]
+
+
+def engine_info(vllm_config: Any, backend: str) -> dict[str, Any]:
+    import torch
+    import vllm
+    from vllm.platforms import current_platform
+
+    cache = vllm_config.cache_config
+    return {"name": "vllm", "version": str(vllm.__version__), "torch": str(torch.__version__),
+            "attention_backend": backend, "device": str(current_platform.device_type),
+            "block_size": int(cache.block_size), "cache_dtype": str(cache.cache_dtype)}
+
+
+def model_dir(vllm_config: Any) -> Path:
+    """The local directory vLLM loaded the model from."""
+    path = Path(str(vllm_config.model_config.model))
+    if path.is_dir():
+        return path
+    try:  # a Hub id: the snapshot vLLM downloaded
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(vllm_config.model_config.model),
+                                      revision=vllm_config.model_config.revision,
+                                      local_files_only=True))
+    except Exception as e:
+        raise UsageError(f"cannot find the model directory of {path}: {e}") from None
+
+
+def engine_identity(vllm_config: Any, *, backend: str, cache_dir: Path | None) -> EngineIdentity:
+    kv_dtype = _dtype_name(vllm_config.model_config.dtype)
+    if str(vllm_config.cache_config.cache_dtype) not in ("auto", str(
+            vllm_config.model_config.dtype).removeprefix("torch.")):
+        raise UsageError("a quantised KV cache (kv_cache_dtype) is not supported")
+    fp = fingerprint_dir(model_dir(vllm_config), dtype=kv_dtype, cache_dir=cache_dir)
+    kinds = set(fp.config.get("layer_types") or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise UsageError(f"only full-attention models are supported, not {sorted(kinds)}")
+    engine = engine_info(vllm_config, backend)
+    config = {**fp.config, "engine": engine}
+    identity = ModelIdentity(architecture_digest(config), fp.identity.tokenizer,
+                             fp.identity.weights)
+    return EngineIdentity(identity, fp.identity, config, fp.name, engine,
+                          int(fp.config["num_hidden_layers"]),
+                          int(fp.config["num_key_value_heads"]), int(fp.config["head_dim"]),
+                          kv_dtype, int(vllm_config.cache_config.block_size))

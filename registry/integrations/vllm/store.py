@@ -1,0 +1,185 @@
+"""The registry side of the connector: settings, prefix lookup for an engine identity,
+verified chunk fetches, publishing computed prefixes and audit events."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvgraft import __version__
+from kvgraft.chunks import DEFAULT_CHUNK_TOKENS
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import IncompatibleModel, UsageError
+from kvgraft.integrations.vllm.identity import EngineIdentity
+from kvgraft.kvfile import RawTensor, write_kvfile
+from kvgraft.manifest import BlobRef, Manifest
+from kvgraft.match import match
+from kvgraft.pull import Fetcher
+from kvgraft.push import PushOptions
+from kvgraft.reference import Reference
+
+log = logging.getLogger("vllm.kvgraft")
+
+_SETTINGS = ("home", "catalog_url", "blob_url", "cache_dir", "remote", "repository",
+             "chunk_tokens", "publish", "restore", "allow_cross_engine", "queue_size",
+             "min_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """`kv_connector_extra_config`, checked: an unknown key is refused, not ignored."""
+
+    overrides: Mapping[str, Any]  # Config overrides (home, catalog_url, blob_url, cache_dir)
+    remote: str | None = None
+    repository: str | None = None
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    publish: bool | None = None  # default: the kv_role produces
+    restore: bool | None = None  # default: the kv_role consumes
+    allow_cross_engine: bool = False
+    queue_size: int = 8
+    min_tokens: int = 0  # shorter prompts are neither looked up nor published
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any]) -> Settings:
+        unknown = sorted(set(extra) - set(_SETTINGS))
+        if unknown:
+            raise UsageError(f"unknown kvgraft connector settings {unknown}; "
+                             f"known: {', '.join(_SETTINGS)}")
+        overrides = {k: (Path(str(extra[k])) if k in ("home", "cache_dir") else str(extra[k]))
+                     for k in ("home", "catalog_url", "blob_url", "cache_dir") if k in extra}
+        return cls(overrides, extra.get("remote"), extra.get("repository"),
+                   int(extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)), extra.get("publish"),
+                   extra.get("restore"), bool(extra.get("allow_cross_engine", False)),
+                   int(extra.get("queue_size", 8)), int(extra.get("min_tokens", 0)))
+
+    def open(self) -> Registry:
+        return Registry.from_env(remote=self.remote, **self.overrides)
+
+
+def aligned_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
+    """The chunk size published: the configured one rounded up to whole blocks, so every
+    chunk covers whole vLLM blocks and a restore writes whole blocks."""
+    return max(block_size, -(-chunk_tokens // block_size) * block_size)
+
+
+def default_repository(name: str) -> str:
+    base = re.sub(r"[^a-z0-9]+", "-", Path(name).name.lower()).strip("-") or "model"
+    return f"vllm/{base}"
+
+
+def check_policy(registry: Registry, repository: str, digest: Digest, manifest: Manifest) -> None:
+    """The registry's pull policy (signatures, verification) applies to restores too."""
+    registry._enforce_policy(Reference(repository, digest=digest), digest, manifest, (), False)
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """What the worker loads: tokens [start, end) of `digest`, from `chunks`."""
+
+    digest: str
+    end: int
+    chunks: tuple[tuple[int, int, str, int], ...]  # (start, end, digest, size)
+    cross_engine: bool
+    covered: int  # prompt tokens the graft covers (before block alignment)
+
+
+def lookup(registry: Registry, ident: EngineIdentity, token_ids: Sequence[int],
+           allow_cross_engine: bool) -> tuple[Manifest, int, bool] | None:
+    """(manifest, tokens covered, cross-engine?) of the graft with the longest prefix of
+    `token_ids` this engine may restore."""
+    candidates = [(ident.identity, False)]
+    if allow_cross_engine:
+        candidates.append((ident.plain, True))
+    for identity, cross in candidates:
+        m = match(registry, identity, token_ids)
+        if m is None:
+            continue
+        manifest = registry.manifest(m.digest)
+        check_layout(manifest, ident, identity)
+        return manifest, m.length, cross
+    return None
+
+
+def check_layout(manifest: Manifest, ident: EngineIdentity, identity: Any) -> None:
+    """Refuse a graft whose identity or tensors do not fit this engine's paged cache."""
+    if manifest.model != identity:
+        raise IncompatibleModel(f"graft {manifest.digest} is for another model")
+    if len(manifest.layers) != ident.layers:
+        raise IncompatibleModel(f"graft has {len(manifest.layers)} layers, engine {ident.layers}")
+    for layer in manifest.layers:
+        if (layer.start, layer.dtype, layer.kv_heads, layer.key_dim, layer.value_dim) != (
+                0, ident.kv_dtype, ident.kv_heads, ident.head_dim, ident.head_dim):
+            raise IncompatibleModel(f"graft layer {layer.index} does not fit the paged cache")
+    if manifest.chunk_tokens % ident.block_size:
+        raise IncompatibleModel(f"graft chunks of {manifest.chunk_tokens} tokens do not cover "
+                                f"whole blocks of {ident.block_size}")
+
+
+def plan_restore(manifest: Manifest, end: int, covered: int, cross: bool) -> RestorePlan:
+    chunks = tuple((c.start, c.end, str(c.digest), c.size) for c in manifest.chunks
+                   if c.start < end)
+    return RestorePlan(str(manifest.digest), end, chunks, cross, covered)
+
+
+def prefetch(registry: Registry, plan: RestorePlan) -> int:
+    """Bring the plan's chunks into the machine cache, each verified; bytes fetched."""
+    fetcher = Fetcher(registry.store, registry.cache)
+    fetched = 0
+    for _, _, digest, size in plan.chunks:
+        d = Digest.parse(digest)
+        if not registry.cache.has(d):
+            fetched += fetcher.get(BlobRef(d, size))[1]
+    return fetched
+
+
+def event(registry: Registry, action: str, digest: str | None, outcome: str,
+          detail: Mapping[str, Any], repository: str | None = None) -> None:
+    registry.catalog.add_event(registry._event(
+        action, digest=Digest.parse(digest) if digest else None, outcome=outcome,
+        repository=repository, detail=dict(detail)))
+
+
+def publish(registry: Registry, ident: EngineIdentity, repository: str, chunk_tokens: int,
+            token_ids: Sequence[int], layers: Sequence[tuple[Any, Any]]) -> Digest:
+    """Store the KV of `token_ids` (per layer, key and value [kv_heads, tokens, head_dim]
+    tensors) as a graft tagged by its token digest. The provenance holds no time or host
+    (those are the push event's), so two nodes publishing the same prefix with the same
+    engine make the same bytes: one artifact, every blob stored once."""
+    import torch
+
+    token_bytes = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    tokens_digest = Digest.of(token_bytes)
+    raw: list[tuple[RawTensor, RawTensor, int]] = []
+    tensors: dict[str, str] = {}
+    for i, (k, v) in enumerate(layers):
+        kb = memoryview(k.reshape(-1).view(torch.uint8).numpy())
+        vb = memoryview(v.reshape(-1).view(torch.uint8).numpy())
+        tensors[f"layers.{i}.key"] = str(Digest.of(kb))
+        tensors[f"layers.{i}.value"] = str(Digest.of(vb))
+        raw.append((RawTensor(ident.kv_dtype, tuple(k.shape), kb),
+                    RawTensor(ident.kv_dtype, tuple(v.shape), vb), 0))
+    tensors["token_ids"] = str(tokens_digest)
+    provenance = {"kvgraft": __version__, "engine": ident.engine,
+                  "input": {"token_ids": str(tokens_digest), "token_count": len(token_ids),
+                            "text": None},
+                  "output": {"tensors": tensors}, "parents": []}
+    tmp_dir = registry.config.cache_dir / "tmp"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="vllm-", suffix=".kv", dir=tmp_dir)
+    os.close(fd)
+    try:
+        path = write_kvfile(name, raw, token_bytes, ident.identity, model_name=ident.name,
+                            model_config=ident.config, provenance=provenance)
+        result = registry.push(path, Reference(repository, tag=f"t-{tokens_digest.hex[:32]}"),
+                               options=PushOptions(chunk_tokens=chunk_tokens))
+    finally:
+        Path(name).unlink(missing_ok=True)
+    return result.digest
