@@ -1,7 +1,8 @@
 """`make bench`: every benchmark, each against a baseline measured in the same run.
 
 Rows are printed as they come and written to .bench/results.json.
-    python -m benchmarks.run [--size-mib 1024] [--only startup,core,s3,s3link,codec,graft,server,vllm]
+    python -m benchmarks.run [--size-mib 1024]
+        [--only startup,core,s3,s3link,codec,graft,server,vllm]
 """
 
 from __future__ import annotations
