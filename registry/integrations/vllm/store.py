@@ -77,7 +77,7 @@ def default_repository(name: str) -> str:
 
 def check_policy(registry: Registry, repository: str, digest: Digest, manifest: Manifest) -> None:
     """The registry's pull policy (signatures, verification) applies to restores too."""
-    registry._enforce_policy(Reference(repository, digest=digest), digest, manifest, (), False)
+    registry.check_policy(Reference(repository, digest=digest), manifest, action="vllm-restore")
 
 
 @dataclass(frozen=True, slots=True)
