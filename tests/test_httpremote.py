@@ -18,8 +18,8 @@ from kvgraft.errors import AuthRefused, IntegrityError, NotFound
 from kvgraft.httpremote import HttpRemote
 from kvgraft.manifest import Manifest
 from kvgraft.reference import Reference
-from kvgraft.sample import write_synthetic
 from tests.server import Server, kvgraft, make_token, running_server, server_env
+from tests.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")
