@@ -358,6 +358,7 @@ class Registry:
         `[!seq]`). With `problems`, damaged tag rows are reported there, not raised."""
         if pattern and not any(ch in pattern for ch in "*?["):
             check_name(pattern)
+        self._direct()
         if self.config.embedded and "catalog" not in self.__dict__ and \
                 not (self.config.home / "catalog.db").exists():
             return ()  # a registry never written to: listing it should not create it
