@@ -28,10 +28,10 @@ from kvgraft.errors import IntegrityError, NotFound, UsageError
 from kvgraft.manifest import MEDIA_TYPE as KVGRAFT_MANIFEST
 from kvgraft.manifest import BlobRef, Manifest
 from kvgraft.ocidist import MAX_MANIFEST, OCI_MANIFEST, OciClient, OciLocation
+from kvgraft.ocigraft import ARTIFACT_TYPE, render
 from kvgraft.pull import verify_stored
 from kvgraft.push import existing_record
 from kvgraft.reference import Reference
-from kvgraft.server.grafts import ARTIFACT_TYPE, render
 from kvgraft.strictjson import loads as strict_loads
 
 WORKERS = 4

@@ -18,9 +18,8 @@ from kvgraft.blobstore import BlobStore
 from kvgraft.codec import MAGIC, decode_blob, frame, get_codec
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound
+from kvgraft.ocigraft import EMPTY_DIGEST, EMPTY_JSON
 
-EMPTY_JSON = b"{}"  # the OCI empty descriptor's content
-EMPTY_DIGEST = "sha256:" + hashlib.sha256(EMPTY_JSON).hexdigest()
 PIECE = 1 << 20
 _SIZE = struct.Struct("<Q")
 

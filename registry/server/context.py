@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from kvgraft import ocigraft
 from kvgraft.catalog.oci import OciTables
 from kvgraft.catalog.records import EventRecord
 from kvgraft.catalog.tokens import TokenTable
@@ -19,7 +20,7 @@ from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import AuthRefused, RegistryError
 from kvgraft.manifest import Manifest
-from kvgraft.server import auth, grafts
+from kvgraft.server import auth
 from kvgraft.server.errors import OciError, from_registry_error
 from kvgraft.server.settings import ServerSettings
 from kvgraft.server.uploads import Uploads
@@ -97,8 +98,8 @@ class Context:
                 return hit
         record = self.registry.catalog.artifact(digest)
         manifest = Manifest.parse(record.manifest, digest)
-        rendered = grafts.render(manifest, record.created_at.isoformat())
-        self.oci.remember(grafts.oci_digest(rendered), "manifest", str(digest))
+        rendered = ocigraft.render(manifest, record.created_at.isoformat())
+        self.oci.remember(ocigraft.oci_digest(rendered), "manifest", str(digest))
         with self._lock:
             self._rendered[digest] = (manifest, rendered)
             while len(self._rendered) > _RENDERED:
@@ -115,14 +116,14 @@ class Context:
         """The graft's attestations (provenance, verification, signatures) as OCI
         manifests whose subject is its OCI manifest."""
         _, rendered = self.graft(artifact)
-        subject = grafts.oci_digest(rendered)
+        subject = ocigraft.oci_digest(rendered)
         out = []
         for a in self.registry.catalog.attestations(artifact):
             assert a.id is not None
-            raw, blob = grafts.render_attestation(a.statement, a.envelope, a.predicate_type,
+            raw, blob = ocigraft.render_attestation(a.statement, a.envelope, a.predicate_type,
                                                   a.keyid, a.id, subject, len(rendered))
             doc = json.loads(raw)
-            att = RenderedAttestation(a.id, raw, grafts.oci_digest(raw), doc["artifactType"],
+            att = RenderedAttestation(a.id, raw, ocigraft.oci_digest(raw), doc["artifactType"],
                                       doc["annotations"], blob,
                                       doc["layers"][0]["digest"])
             with self._lock:

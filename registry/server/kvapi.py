@@ -14,11 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from kvgraft import ocigraft
 from kvgraft.catalog.models import ModelRow
 from kvgraft.errors import RegistryError, UsageError
 from kvgraft.identity import ModelIdentity
 from kvgraft.reference import Reference
-from kvgraft.server import grafts
 from kvgraft.server.auth import Principal
 from kvgraft.server.context import Context
 from kvgraft.server.errors import OciError
@@ -72,7 +72,7 @@ def resolve(request: Request, ctx: Context) -> dict[str, Any]:
     _require(request, ctx, ref.name, "pull")
     digest = ctx.registry.catalog.resolve(ref)
     return {"reference": str(ref), "digest": str(digest),
-            "oci_digest": grafts.oci_digest(ctx.render_graft(digest))}
+            "oci_digest": ocigraft.oci_digest(ctx.render_graft(digest))}
 
 
 def artifact(request: Request, ctx: Context) -> dict[str, Any]:

@@ -14,11 +14,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from kvgraft import ocigraft
 from kvgraft.catalog.oci import OciManifest
 from kvgraft.digest import Digest
 from kvgraft.errors import NotFound, RegistryError, UsageError
 from kvgraft.reference import Reference, check_name, check_tag
-from kvgraft.server import content, grafts
+from kvgraft.server import content
 from kvgraft.server.context import Context
 from kvgraft.server.errors import OciError
 from kvgraft.server.uploads import Upload
@@ -85,8 +86,8 @@ async def dispatch(request: Request) -> Response:
 
 def _blob_size(ctx: Context, name: str, digest: str) -> int:
     size = ctx.oci.blob_size(name, digest)
-    if size is None and digest == content.EMPTY_DIGEST and ctx.oci.has_grafts(name):
-        return len(content.EMPTY_JSON)  # the config of every graft's OCI manifest
+    if size is None and digest == ocigraft.EMPTY_DIGEST and ctx.oci.has_grafts(name):
+        return len(ocigraft.EMPTY_JSON)  # the config of every graft's OCI manifest
     if size is None and ctx.oci.graft_in(name, digest):
         size = len(ctx.graft_manifest(Digest.parse(digest)).canonical())
     if size is None:
@@ -304,14 +305,14 @@ def _commit(request: Request, ctx: Context, name: str, path: Path, digest: str) 
         raise OciError(400, "DIGEST_INVALID",
                        f"upload digest mismatch: expected {digest}, got {actual}")
     d = Digest.parse(digest)
-    if digest != content.EMPTY_DIGEST:
+    if digest != ocigraft.EMPTY_DIGEST:
         content.store_file(ctx.registry.store, d, path)
     ctx.oci.link_blob(name, digest, size)
     # The blob may have been in the store already (so not written again) and a gc may
     # have deleted it before the link committed: the rule that protects pushes (kvgraft.gc,
     # rule 3) protects uploads too. The deletion record exists before the object goes,
     # and gc re-checks links under its lock, so this check after the commit is enough.
-    if digest != content.EMPTY_DIGEST and ctx.registry.catalog.deleted_blobs([d]) \
+    if digest != ocigraft.EMPTY_DIGEST and ctx.registry.catalog.deleted_blobs([d]) \
             and not ctx.registry.store.exists(d):
         content.store_file(ctx.registry.store, d, path)
     return Response(status_code=201, headers={
@@ -334,9 +335,9 @@ def _find_manifest(ctx: Context, name: str, ref: str) -> tuple[str, str, bytes]:
             att = ctx.attestation(name, digest, "attestation")
             if att is None:
                 raise unknown
-            return digest, grafts.OCI_MANIFEST, att.manifest
+            return digest, ocigraft.OCI_MANIFEST, att.manifest
         rendered = ctx.render_graft(Digest.parse(artifact))
-        return digest, grafts.OCI_MANIFEST, rendered
+        return digest, ocigraft.OCI_MANIFEST, rendered
     try:
         check_tag(ref)
     except UsageError:
@@ -352,7 +353,7 @@ def _find_manifest(ctx: Context, name: str, ref: str) -> tuple[str, str, bytes]:
             raise unknown from None
         return found.digest, found.media_type, found.content
     rendered = ctx.render_graft(artifact_digest)
-    return grafts.oci_digest(rendered), grafts.OCI_MANIFEST, rendered
+    return ocigraft.oci_digest(rendered), ocigraft.OCI_MANIFEST, rendered
 
 
 async def _manifest(request: Request, ctx: Context, name: str, ref: str) -> Response:
@@ -551,13 +552,13 @@ def _referrers(request: Request, ctx: Context, name: str, subject_text: str) -> 
     if artifact is not None:  # a graft: its attestations and signatures refer to it
         for att in ctx.attestations(Digest.parse(artifact)):
             if wanted is None or att.artifact_type == wanted:
-                descriptors.append({"mediaType": grafts.OCI_MANIFEST, "digest": att.digest,
+                descriptors.append({"mediaType": ocigraft.OCI_MANIFEST, "digest": att.digest,
                                     "size": len(att.manifest),
                                     "artifactType": att.artifact_type,
                                     "annotations": att.annotations})
-    headers = {"Content-Type": grafts.OCI_INDEX}
+    headers = {"Content-Type": ocigraft.OCI_INDEX}
     if wanted is not None:
         headers["OCI-Filters-Applied"] = "artifactType"
-    body = {"schemaVersion": 2, "mediaType": grafts.OCI_INDEX, "manifests": descriptors}
-    return JSONResponse(body, headers=headers, media_type=grafts.OCI_INDEX)
+    body = {"schemaVersion": 2, "mediaType": ocigraft.OCI_INDEX, "manifests": descriptors}
+    return JSONResponse(body, headers=headers, media_type=ocigraft.OCI_INDEX)
 

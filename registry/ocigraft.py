@@ -14,7 +14,9 @@ from typing import Any
 from kvgraft.digest import Digest, canonical_json
 from kvgraft.manifest import MEDIA_TYPE as KVGRAFT_MANIFEST
 from kvgraft.manifest import Manifest
-from kvgraft.server.content import EMPTY_DIGEST, EMPTY_JSON
+
+EMPTY_JSON = b"{}"  # the OCI empty descriptor's content: the config of every graft's manifest
+EMPTY_DIGEST = str(Digest.of(EMPTY_JSON))
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
