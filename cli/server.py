@@ -45,10 +45,17 @@ def _tokens(catalog: Catalog) -> TokenTable:
 @click.option("--behind-proxy", metavar="IPS",
               help="Trust X-Forwarded-Proto/-For from these proxy addresses (comma-separated) "
                    "so links and the auth challenge name the proxy's https URL.")
+@click.option("--redirect-blobs", is_flag=True,
+              help="Answer kvgraft clients' blob reads with a 307 to a presigned S3 URL, so "
+                   "the bytes skip the server (clients must reach the bucket: "
+                   "KVGRAFT_S3_PUBLIC_ENDPOINT_URL names the endpoint they use).")
+@click.option("--redirect-expiry", type=click.IntRange(1, 3600), default=300,
+              show_default=True, metavar="SECONDS", help="How long a presigned URL is good for.")
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path | None,
           keyfile: Path | None, public: tuple[str, ...], max_upload: int,
-          max_open_uploads: int, upload_dir: Path | None, behind_proxy: str | None) -> None:
+          max_open_uploads: int, upload_dir: Path | None, behind_proxy: str | None,
+          redirect_blobs: bool, redirect_expiry: int) -> None:
     """Serve the catalog and store over HTTP: the OCI distribution API and /kvgraft/v1."""
     from kvgraft.errors import UsageError
     from kvgraft.server.main import serve as run
@@ -58,7 +65,8 @@ def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path
     config = current_registry(ctx).config
     settings = ServerSettings(upload_dir=(upload_dir or config.home / "uploads").absolute(),
                               public=public, max_upload_bytes=max_upload,
-                              max_open_uploads=max_open_uploads)
+                              max_open_uploads=max_open_uploads,
+                              redirect_blobs=redirect_blobs, redirect_seconds=redirect_expiry)
     run(config, settings, host=host, port=port, workers=workers, certfile=certfile,
         keyfile=keyfile, forwarded_allow_ips=behind_proxy)
 

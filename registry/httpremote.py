@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import ssl
 import urllib.error
 import urllib.parse
@@ -46,6 +47,51 @@ def _error(e: urllib.error.HTTPError, what: str) -> RegistryError:
     return Unavailable(f"{what}: server answered {e.code}: {message}")
 
 
+def _store_error(e: urllib.error.HTTPError, what: str) -> RegistryError:
+    """An error from the blob store the server redirected to (S3 answers in XML)."""
+    body = e.read(4096).decode("utf-8", "replace")
+    found = re.search(r"<Code>([^<]*)</Code>", body)
+    said = re.search(r"<Message>([^<]*)</Message>", body)
+    detail = " ".join(m.group(1) for m in (found, said) if m) or f"{e.code} {e.reason}"
+    where = urllib.parse.urlsplit(e.url).netloc
+    if e.code == 404:
+        return NotFound(f"{what}: the blob store at {where} has no such object ({detail})")
+    return Unavailable(f"{what}: the blob store at {where} refused the URL the server "
+                       f"redirected to: {detail}",
+                       hint="an expired URL is asked for again; if this persists, check "
+                            "the clocks and KVGRAFT_S3_PUBLIC_ENDPOINT_URL on the server")
+
+
+def _pieces(response: Any) -> Iterator[bytes]:
+    """The body as it comes; what arrived before a cut too, so a resume starts after it."""
+    while True:
+        try:
+            piece = response.read(1 << 20)
+        except http.client.IncompleteRead as e:
+            if e.partial:
+                yield bytes(e.partial)
+            raise
+        if not piece:
+            return
+        yield piece
+
+
+class _Redirect(urllib.request.HTTPRedirectHandler):
+    """Follows the server's redirect to a presigned blob URL without the bearer token: the
+    token is for the server alone, and S3 refuses a request that carries a signature in
+    its URL and an Authorization header too. Remembers where it went, for the errors."""
+
+    target: str | None = None
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
+                         headers: Any, newurl: str) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None:
+            new.remove_header("Authorization")
+            self.target = newurl
+        return new
+
+
 @dataclass(frozen=True)
 class HttpRemote:
     url: str  # http(s)://host:port
@@ -68,14 +114,29 @@ class HttpRemote:
 
     def request(self, path: str, *, headers: dict[str, str] | None = None,
                 what: str) -> Any:
-        req = urllib.request.Request(f"{self.url}{path}", headers={
-            "Authorization": f"Bearer {self.token}", **(headers or {})})
+        """GET `path` on the server, with the token; or a full store URL the server
+        redirected to before (a resume), without it."""
+        direct = "://" in path
+        url = path if direct else f"{self.url}{path}"
+        auth = {} if direct else {"Authorization": f"Bearer {self.token}"}
+        req = urllib.request.Request(url, headers={**auth, **(headers or {})})
+        redirect = _Redirect()
+        handlers: list[urllib.request.BaseHandler] = [redirect]
+        if context := self._context():
+            handlers.append(urllib.request.HTTPSHandler(context=context))
         try:
-            return urllib.request.urlopen(req, timeout=TIMEOUT, context=self._context())
+            return urllib.request.build_opener(*handlers).open(req, timeout=TIMEOUT)
         except urllib.error.HTTPError as e:
-            raise _error(e, what) from None
+            raise (_store_error(e, what) if e.url != url or direct else _error(e, what)) \
+                from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
+            if redirect.target or direct:
+                where = urllib.parse.urlsplit(redirect.target or url).netloc
+                raise Unavailable(f"{what}: cannot reach the blob store at {where} that the "
+                                  f"server redirected to: {reason}",
+                                  hint="the server's KVGRAFT_S3_PUBLIC_ENDPOINT_URL must "
+                                       "name an endpoint clients reach") from None
             raise Unavailable(f"{what}: cannot reach {self.url}: {reason}") from None
 
     def resolve(self, ref: Reference) -> Digest:
@@ -125,22 +186,34 @@ class HttpStore:
         parts: list[bytes] = []
         got = 0
         total: int | None = None
+        location: str | None = None  # the store URL the server redirected to: resume there
         for attempt in range(RESUMES + 1):
             headers = {"Range": f"bytes={got}-"} if got else {}
             try:
-                with self.remote.request(path, headers=headers, what=f"blob {digest}") as r:
-                    if total is None:
+                with self.remote.request(location or path, headers=headers,
+                                         what=f"blob {digest}") as r:
+                    if r.url != f"{self.remote.url}{path}":
+                        location = r.url
+                    if r.status != 206:  # the whole blob (a range not honoured: again)
+                        parts.clear()
+                        got = 0
                         total = int(r.headers.get("Content-Length", "-1"))
                         if max_size is not None and total > max_size:
                             raise too_large(digest, self.url, total, max_size)
-                    while piece := r.read(1 << 20):
+                    for piece in _pieces(r):
                         parts.append(piece)
                         got += len(piece)
                         if max_size is not None and got > max_size:
                             raise too_large(digest, self.url, got, max_size)
-                if total < 0 or got == total:
+                if total is None or total < 0 or got == total:
                     return b"".join(parts)
-            except (Unavailable, OSError, http.client.HTTPException):
+            except Unavailable:
+                # Refused or unreachable (an expired URL among them): the server hands out
+                # a fresh URL for the rest.
+                location = None
+                if attempt == RESUMES:
+                    raise
+            except (OSError, http.client.HTTPException):
                 if attempt == RESUMES:
                     raise
         raise Unavailable(f"blob {digest}: transfer from {self.remote.url} stayed short "

@@ -62,6 +62,17 @@ class BlobStore(Protocol):
     def iter(self) -> Iterator[BlobInfo]: ...
 
 
+@runtime_checkable
+class Presigning(Protocol):
+    """A store that can hand out a URL from which a client fetches a stored blob directly
+    (S3), so a server need not pass the bytes through."""
+
+    def presign(self, digest: Digest, expires: int) -> str:
+        """A URL that GETs the stored blob (its stored bytes, Range honoured) for `expires`
+        seconds, with no other credential."""
+        ...
+
+
 def too_large(digest: Digest, where: str, size: int, max_size: int) -> Exception:
     from kvgraft.errors import IntegrityError
 

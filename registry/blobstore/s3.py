@@ -88,6 +88,9 @@ class S3Settings:
     """How the store talks to S3; `from_env` documents each variable."""
 
     endpoint_url: str | None = None  # None: boto3's own resolution (AWS_ENDPOINT_URL_S3, …)
+    # Where clients reach the bucket, when that is not where this process does (a server
+    # inside a cluster, clients outside it): presigned URLs are signed for this host.
+    public_endpoint_url: str | None = None
     addressing: Addressing = "auto"
     # A stalled endpoint fails within a minute by default: 4 attempts of at most
     # connect 5 s + read 10 s each, plus standard-mode backoff (< 8 s in all). The read
@@ -118,6 +121,10 @@ class S3Settings:
             raise UsageError("S3 multipart parts must be at least 5 MiB")
         if self.multipart_threshold < self.part_size:
             raise UsageError("the S3 multipart threshold must be at least one part")
+        public = urlsplit(self.public_endpoint_url or "http://x")
+        if public.scheme not in ("http", "https") or not public.netloc or public.query:
+            raise UsageError("KVGRAFT_S3_PUBLIC_ENDPOINT_URL must be an http(s)://host[:port] "
+                             f"URL, got {self.public_endpoint_url!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> S3Settings:
@@ -126,13 +133,15 @@ class S3Settings:
         endpoint is configured: S3-compatible servers rarely have wildcard DNS),
         AWS_MAX_ATTEMPTS / AWS_RETRY_MODE (botocore's names), KVGRAFT_S3_CONNECT_TIMEOUT /
         KVGRAFT_S3_READ_TIMEOUT (seconds), KVGRAFT_S3_MULTIPART_MIB,
-        KVGRAFT_S3_PART_MIB, KVGRAFT_S3_CONCURRENCY, AWS_RESPONSE_CHECKSUM_VALIDATION."""
+        KVGRAFT_S3_PART_MIB, KVGRAFT_S3_CONCURRENCY, AWS_RESPONSE_CHECKSUM_VALIDATION,
+        KVGRAFT_S3_PUBLIC_ENDPOINT_URL (the endpoint presigned URLs name)."""
         env = os.environ if env is None else env
         endpoint = env.get("KVGRAFT_S3_ENDPOINT_URL") or None
         custom = bool(endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
         part = _int(env, "KVGRAFT_S3_PART_MIB", 8, 5) * MiB
         return cls(
             endpoint_url=endpoint,
+            public_endpoint_url=env.get("KVGRAFT_S3_PUBLIC_ENDPOINT_URL") or None,
             # Validated in __post_init__, which names the variable's allowed values.
             addressing=cast(Addressing, env.get("KVGRAFT_S3_ADDRESSING")
                             or ("path" if custom else "auto")),
@@ -266,6 +275,8 @@ class S3BlobStore:
                               hint="check KVGRAFT_S3_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 "
                                    "and AWS_DEFAULT_REGION") from None
         self.endpoint = self.client.meta.endpoint_url
+        self._session = session
+        self._presigner: S3Client | None = None
         self.client.meta.events.register("needs-retry.s3", self._say_retry)
         self._checked = False
         self._lock = threading.Lock()
@@ -429,6 +440,34 @@ class S3BlobStore:
         # One copy, for the rare blob above the multipart threshold: the protocol hands out
         # immutable bytes.
         return bytes(out)
+
+    def _signer(self) -> S3Client:
+        """Presigned URLs get a client of their own: botocore would otherwise sign them
+        with SigV2, which newer regions and servers refuse, and SigV4 signs the host, so
+        clients that reach the bucket elsewhere need a URL made for that endpoint. Made on
+        first use (a client costs tens of milliseconds), under the lock: a session must not
+        make clients in two threads at once."""
+        with self._lock:
+            if self._presigner is None:
+                self._presigner = self._session.client(
+                    "s3", endpoint_url=self.settings.public_endpoint_url or self.endpoint,
+                    config=self.settings.botocore_config().merge(
+                        botocore.config.Config(signature_version="s3v4")))
+            return self._presigner
+
+    def presign(self, digest: Digest, expires: int) -> str:
+        """A URL that lets whoever holds it GET the stored blob for `expires` seconds, for
+        clients that fetch from the bucket instead of through a server. Made locally, so a
+        missing object is the client's 404, not an error here."""
+        if not 1 <= expires <= 7 * 24 * 3600:  # SigV4's limit
+            raise UsageError(f"a presigned URL lives 1 s to 7 days, not {expires} s")
+        try:
+            url: str = self._signer().generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": self._key(digest)},
+                ExpiresIn=expires)
+        except botocore.exceptions.BotoCoreError as e:
+            self._fail(e, f"presign blob {digest}")
+        return url
 
     def iter(self) -> Iterator[BlobInfo]:
         base = f"{self.prefix}/sha256/" if self.prefix else "sha256/"

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from kvgraft.blobstore import BlobStore
+from kvgraft.blobstore.base import Presigning
 from kvgraft.codec import MAGIC, decode_blob, frame, get_codec
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound
@@ -112,6 +113,14 @@ def _stream_raw(f: BinaryIO, digest: Digest, size: int, start: int, end: int,
         if f.read(1):
             raise IntegrityError(f"stored blob {digest} is longer than it should be")
     digest.check(Digest.from_hasher(h), f"stored blob {digest}")
+
+
+def presigned(store: BlobStore, digest: Digest, seconds: int) -> str | None:
+    """Where a client may fetch the stored bytes of `digest` itself, or None when the store
+    cannot say (a local store: the server then sends the bytes)."""
+    if not isinstance(store, Presigning):
+        return None
+    return store.presign(digest, seconds)
 
 
 def require(store: BlobStore, digest: str) -> None:

@@ -19,6 +19,7 @@ from kvgraft.catalog.models import ModelRow
 from kvgraft.errors import RegistryError, UsageError
 from kvgraft.identity import ModelIdentity
 from kvgraft.reference import Reference
+from kvgraft.server import content
 from kvgraft.server.auth import Principal
 from kvgraft.server.context import Context
 from kvgraft.server.errors import OciError
@@ -148,7 +149,8 @@ def match(request: Request, ctx: Context) -> dict[str, Any]:
 
 def stored(request: Request, ctx: Context) -> Response:
     """A graft blob exactly as stored (encoded, self-describing): what an HTTP remote's pull
-    fetches into its machine cache and verifies there. `Range: bytes=N-` resumes."""
+    fetches into its machine cache and verifies there. `Range: bytes=N-` resumes. With
+    `--redirect-blobs` and a store that presigns, a 307 to the store instead."""
     from starlette.responses import StreamingResponse
 
     from kvgraft.digest import Digest
@@ -161,6 +163,14 @@ def stored(request: Request, ctx: Context) -> Response:
         raise OciError(400, "DIGEST_INVALID", e.human()) from None
     if ctx.oci.blob_size(repository, str(digest)) is None:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is not in {repository}")
+    if ctx.settings.redirect_blobs:
+        # Only after the scope check: the URL is a credential for the blob. Not stat'ed
+        # first (one round trip to the store saved per blob): a missing object is the
+        # client's 404 from the store, which it reports as lost data like any other.
+        url = content.presigned(ctx.registry.store, digest, ctx.settings.redirect_seconds)
+        if url is not None:
+            return Response(status_code=307, headers={"Location": url,
+                                                      "Cache-Control": "no-store"})
     info = ctx.registry.store.stat(digest)
     if info is None:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is missing from the store")

@@ -4,6 +4,7 @@ variable, and each worker builds its own Registry from them (`app_from_env`)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 
+from kvgraft.blobstore.base import Presigning
 from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.errors import MissingExtra
@@ -18,6 +20,7 @@ from kvgraft.server.app import create_app
 from kvgraft.server.settings import ServerSettings
 
 ENV = "KVGRAFT_SERVE_SETTINGS"
+_log = logging.getLogger("kvgraft.server")
 
 
 def _encode(config: Config, settings: ServerSettings) -> str:
@@ -55,7 +58,10 @@ def serve(config: Config, settings: ServerSettings, *, host: str, port: int, wor
     registry = Registry(config)
     try:
         registry.catalog  # noqa: B018
-        registry.store  # noqa: B018
+        store = registry.store
+        if settings.redirect_blobs and not isinstance(store, Presigning):
+            _log.warning("kvgraft serve: --redirect-blobs: %s cannot presign URLs; blob "
+                         "bytes go through the server", config.blob_url)
     finally:
         registry.close()
     settings.upload_dir.mkdir(parents=True, exist_ok=True)
