@@ -36,7 +36,7 @@ def main() -> None:
         startup.run(report)
     from benchmarks import core
 
-    kv = core.kv_file(WORKDIR, args.size_mib) if wanted & {"core", "s3"} else Path()
+    kv = core.kv_file(WORKDIR, args.size_mib) if wanted & {"core", "s3", "server"} else Path()
     if "core" in wanted:
         core.run(WORKDIR, args.size_mib, report)
     if "s3" in wanted:
