@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import ssl
 import urllib.error
 import urllib.parse
@@ -26,6 +25,7 @@ from kvgraft.cache import Cache
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import AuthRefused, NotFound, RegistryError, Unavailable, UsageError
 from kvgraft.manifest import Manifest
+from kvgraft.presigned import Redirect, pieces, store_error
 from kvgraft.pull import Fetcher, FetchStats, Progress, export, fetch
 from kvgraft.reference import Reference
 
@@ -45,51 +45,6 @@ def _error(e: urllib.error.HTTPError, what: str) -> RegistryError:
     if e.code < 500:
         return UsageError(f"{what}: {message}")
     return Unavailable(f"{what}: server answered {e.code}: {message}")
-
-
-def _store_error(e: urllib.error.HTTPError, what: str) -> RegistryError:
-    """An error from the blob store the server redirected to (S3 answers in XML)."""
-    body = e.read(4096).decode("utf-8", "replace")
-    found = re.search(r"<Code>([^<]*)</Code>", body)
-    said = re.search(r"<Message>([^<]*)</Message>", body)
-    detail = " ".join(m.group(1) for m in (found, said) if m) or f"{e.code} {e.reason}"
-    where = urllib.parse.urlsplit(e.url).netloc
-    if e.code == 404:
-        return NotFound(f"{what}: the blob store at {where} has no such object ({detail})")
-    return Unavailable(f"{what}: the blob store at {where} refused the URL the server "
-                       f"redirected to: {detail}",
-                       hint="an expired URL is asked for again; if this persists, check "
-                            "the clocks and KVGRAFT_S3_PUBLIC_ENDPOINT_URL on the server")
-
-
-def _pieces(response: Any) -> Iterator[bytes]:
-    """The body as it comes; what arrived before a cut too, so a resume starts after it."""
-    while True:
-        try:
-            piece = response.read(1 << 20)
-        except http.client.IncompleteRead as e:
-            if e.partial:
-                yield bytes(e.partial)
-            raise
-        if not piece:
-            return
-        yield piece
-
-
-class _Redirect(urllib.request.HTTPRedirectHandler):
-    """Follows the server's redirect to a presigned blob URL without the bearer token: the
-    token is for the server alone, and S3 refuses a request that carries a signature in
-    its URL and an Authorization header too. Remembers where it went, for the errors."""
-
-    target: str | None = None
-
-    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str,
-                         headers: Any, newurl: str) -> urllib.request.Request | None:
-        new = super().redirect_request(req, fp, code, msg, headers, newurl)
-        if new is not None:
-            new.remove_header("Authorization")
-            self.target = newurl
-        return new
 
 
 @dataclass(frozen=True)
@@ -120,14 +75,14 @@ class HttpRemote:
         url = path if direct else f"{self.url}{path}"
         auth = {} if direct else {"Authorization": f"Bearer {self.token}"}
         req = urllib.request.Request(url, headers={**auth, **(headers or {})})
-        redirect = _Redirect()
+        redirect = Redirect()
         handlers: list[urllib.request.BaseHandler] = [redirect]
         if context := self._context():
             handlers.append(urllib.request.HTTPSHandler(context=context))
         try:
             return urllib.request.build_opener(*handlers).open(req, timeout=TIMEOUT)
         except urllib.error.HTTPError as e:
-            raise (_store_error(e, what) if e.url != url or direct else _error(e, what)) \
+            raise (store_error(e, what) if e.url != url or direct else _error(e, what)) \
                 from None
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
@@ -200,7 +155,7 @@ class HttpStore:
                         total = int(r.headers.get("Content-Length", "-1"))
                         if max_size is not None and total > max_size:
                             raise too_large(digest, self.url, total, max_size)
-                    for piece in _pieces(r):
+                    for piece in pieces(r):
                         parts.append(piece)
                         got += len(piece)
                         if max_size is not None and got > max_size:

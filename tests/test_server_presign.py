@@ -13,6 +13,7 @@ import json
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -48,6 +49,7 @@ class Relay:
         self.cut_next: int | None = None  # forward this many response bytes, then close
         self.hold = 0.0  # seconds to stall before closing a cut response
         self.refuse = False  # close every connection at once
+        self.delay = 0.0  # seconds to hold each request before passing it on
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -71,6 +73,7 @@ class Relay:
             cut, self.cut_next = self.cut_next, None
             sent = bytearray()
             self.requests.append(sent)
+        time.sleep(self.delay)
         upstream = socket.create_connection(self.target)
 
         def upward() -> None:
@@ -229,6 +232,46 @@ def test_an_expired_url_is_asked_for_again(setup: Setup) -> None:
         setup.relay.hold = 0.0
     assert data == _stored_bytes(setup, digest)
     assert _stored_responses(setup.server)[before:] == [(str(digest), 307)] * 2
+
+
+def test_a_url_the_store_keeps_refusing_is_a_clear_unavailable(setup: Setup) -> None:
+    remote = _remote(setup, "too-slow")
+    digest = _first_chunk(setup, remote)
+    before = len(_stored_responses(setup.server))
+    setup.relay.delay = EXPIRY + 1.5  # every URL arrives at the store expired
+    try:
+        with pytest.raises(Unavailable, match="refused the URL the server redirected to: "
+                                              "AccessDenied") as e:
+            remote.store(TEAM).get(digest)
+    finally:
+        setup.relay.delay = 0.0
+    assert e.value.exit_code == 7 and "127.0.0.1:" in e.value.message
+    # Each try asked the server for a fresh URL.
+    assert _stored_responses(setup.server)[before:] == [(str(digest), 307)] * 4
+
+
+def test_cli_pull_through_a_redirecting_server_needs_no_s3_credentials(
+        setup: Setup, tmp_path: Path) -> None:
+    node = {k: v for k, v in server_env(tmp_path / "node").items()
+            if not k.startswith("AWS_")}
+    token_file = tmp_path / "token"
+    token_file.write_text(make_token(setup.server.env, "cli", f"repository:{TEAM}:pull"))
+    kvgraft(node, "remote", "add", "team", setup.server.url, "--token-file", str(token_file))
+    out = tmp_path / "out.kv"
+    pulled = json.loads(kvgraft(node, "--remote", "team", "pull", f"{TEAM}:v1", "-o", str(out),
+                                "--json"))
+    assert out.read_bytes() == setup.src.read_bytes() and pulled["fetched"] > 1
+    setup.relay.refuse = True
+    try:
+        cut_off = subprocess.run([sys.executable, "-m", "kvgraft.cli", "--remote", "team",
+                                  "pull", f"{TEAM}:v1", "-o", str(tmp_path / "again.kv")],
+                                 env={**node, "KVGRAFT_CACHE": str(tmp_path / "cold")},
+                                 capture_output=True, text=True)
+    finally:
+        setup.relay.refuse = False
+    assert cut_off.returncode == 7, cut_off.stderr
+    assert "cannot reach the blob store" in cut_off.stderr
+    assert not (tmp_path / "again.kv").exists()
 
 
 def test_an_unreachable_store_endpoint_is_a_clear_unavailable(setup: Setup) -> None:
