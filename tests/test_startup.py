@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 import kvgraft
 from kvgraft.cli.main import DEFAULT_CODEC, LAZY_COMMANDS, cli
+from tests.conftest import RegistryFactory
 
 HEAVY = ("sqlalchemy", "alembic", "numpy", "torch", "transformers", "boto3", "botocore",
          "jsonschema", "zstandard", "cryptography", "securesystemslib")
@@ -136,3 +137,14 @@ def test_pull_without_a_policy_does_not_load_the_signature_machinery(
         '[policy]\nrequire_signed_by = ["' + "ab" * 32 + '"]\n')
     r = CliRunner(env=cli_env).invoke(cli, ["pull", "t/a:v1"])
     assert r.exit_code == 4, r.output
+
+
+def test_a_listing_opens_no_orm_and_the_full_catalog_reuses_its_engine(
+        make_registry: RegistryFactory, tmp_path: Path) -> None:
+    make_registry(home=tmp_path / "h").catalog.close()  # an existing, empty catalog
+    reg = make_registry(home=tmp_path / "h")
+    assert reg.list() == ()
+    assert "catalog" not in reg.__dict__ and "catalog_reader" in reg.__dict__
+    assert reg.catalog.engine is reg.catalog_reader.engine
+    assert reg.catalog.artifact_digests() == []
+    reg.close()
