@@ -8,7 +8,8 @@ CPU time (user + system) of the process, and the same for the baseline.
      "baseline_wall_s": ..., "baseline_cpu_s": ..., "target_s": 0.15}
 
 `ls` runs twice: on a home that was never written to (no catalog yet: nothing to load but
-the command line) and on an empty catalog (`kvgraft db upgrade` made it; SQLAlchemy loads).
+the command line) and on an empty catalog (`kvgraft db upgrade` made it; SQLAlchemy Core
+loads, not the ORM or Alembic).
 
     python -m benchmarks.startup [--runs 11]
 """

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kvgraft.blobstore import BlobStore
     from kvgraft.cache import Cache
     from kvgraft.catalog import Catalog
+    from kvgraft.catalog.reader import CatalogReader
     from kvgraft.gc import GcPlan, GcResult
     from kvgraft.manifest import Manifest
     from kvgraft.provenance import Keyring, Statement
@@ -157,11 +158,26 @@ class Registry:
 
     @cached_property
     def catalog(self) -> Catalog:
-        self._direct()
-        self.require_online("the catalog")
         from kvgraft.catalog import Catalog
 
+        reader = self.__dict__.get("catalog_reader")
+        if reader is not None:  # opened (and its schema checked) for a listing already
+            return Catalog.from_reader(reader)
+        self._direct()
+        self.require_online("the catalog")
         return Catalog.open(self.config.catalog_url, auto_upgrade=self.config.embedded)
+
+    @cached_property
+    def catalog_reader(self) -> CatalogReader:
+        """The catalog for reads that need no ORM (listing tags): what `kvgraft ls` loads.
+        The full `catalog`, opened before or after, shares its engine."""
+        if "catalog" in self.__dict__:
+            return self.catalog
+        self._direct()
+        self.require_online("the catalog")
+        from kvgraft.catalog.reader import CatalogReader
+
+        return CatalogReader.open(self.config.catalog_url, auto_upgrade=self.config.embedded)
 
     def require_online(self, what: str) -> None:
         """Offline means no catalog or store access at all: every path to them passes here,
@@ -179,8 +195,9 @@ class Registry:
         return Cache(self.config.cache_dir)
 
     def close(self) -> None:
-        if "catalog" in self.__dict__:
-            self.catalog.close()
+        for name in ("catalog", "catalog_reader"):  # one engine, disposing twice is harmless
+            if name in self.__dict__:
+                self.__dict__[name].close()
 
     def _event(self, action: str, **kw: Any) -> EventRecord:
         return EventRecord(action=action, actor=f"{self.user}@{self.host}", host=self.host, **kw)
@@ -360,9 +377,10 @@ class Registry:
             check_name(pattern)
         self._direct()
         if self.config.embedded and "catalog" not in self.__dict__ and \
+                "catalog_reader" not in self.__dict__ and \
                 not (self.config.home / "catalog.db").exists():
             return ()  # a registry never written to: listing it should not create it
-        tags = self.catalog.list_tags(pattern, problems=problems)
+        tags = self.catalog_reader.list_tags(pattern, problems=problems)
         if pattern:
             tags = tuple(t for t in tags if fnmatch.fnmatchcase(t.repository, pattern))
         return tags

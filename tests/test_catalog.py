@@ -41,6 +41,37 @@ def test_migrated_schema_matches_the_orm(catalog_url: str) -> None:
     assert diff == []
 
 
+def test_reader_tags_table_matches_the_orm() -> None:
+    from kvgraft.catalog.models import TagRow
+    from kvgraft.catalog.reader import TAGS
+
+    orm = TagRow.__table__
+    assert TAGS.name == orm.name
+    assert {c.name: type(c.type) for c in TAGS.c} == \
+        {c.name: type(c.type) for c in orm.c if c.name in TAGS.c}
+    assert set(orm.c.keys()) == set(TAGS.c.keys())
+
+
+def test_reader_lists_what_the_catalog_lists_over_one_engine(
+        catalog_url: str, tmp_path: Path) -> None:
+    from kvgraft.catalog.reader import CatalogReader
+
+    catalog = Catalog.open(catalog_url, auto_upgrade=True)
+    m, blobs = _manifest(tmp_path)
+    catalog.record_push(PushRecord(m, blobs, "t/a_b", "v1", {}, _event(digest=m.digest)))
+    catalog.record_push(PushRecord(m, blobs, "t/axb", "v1", {}, _event(digest=m.digest)))
+    reader = CatalogReader.open(catalog_url)
+    assert reader.list_tags() == catalog.list_tags()
+    # `_` is a LIKE wildcard: the listing escapes it, and the caller's glob decides.
+    assert [t.repository for t in reader.list_tags("t/a_*")] == ["t/a_b"]
+    assert [t.repository for t in reader.list_tags("t/a?b")] == ["t/a_b", "t/axb"]
+    full = Catalog.from_reader(reader)
+    assert full.engine is reader.engine and Catalog.from_reader(full) is full
+    assert full.resolve(Reference.parse("t/axb:v1")) == m.digest
+    reader.close()
+    catalog.close()
+
+
 def test_head_constant_matches_the_migration_scripts() -> None:
     from kvgraft.catalog.schema import script_head
 

@@ -3,12 +3,15 @@ retries and unreachable endpoints, small HTTP servers that misbehave on purpose)
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import http.server
 import os
 import sys
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from email.utils import formatdate
@@ -108,9 +111,9 @@ def test_multipart_racing_writers(small_parts: S3BlobStore) -> None:
 # lists them): a change here is a change to document.
 SERVER_BEHAVIOUR = {
     "s3": {"validates_sha256": True, "returns_sha256": True, "complete_etag": True,
-           "part_number_head": True},
+           "part_number_head": True, "validates_payload_hash": False},
     "ceph": {"validates_sha256": False, "returns_sha256": False, "complete_etag": False,
-             "part_number_head": False},
+             "part_number_head": False, "validates_payload_hash": True},
 }
 
 
@@ -143,9 +146,80 @@ def test_server_behaviour(any_s3_store_url: str, request: pytest.FixtureRequest)
     head = c.head_object(Bucket=bucket, Key=key + "3")
     assert head["ETag"].endswith('-2"')  # the object's own ETag is there on both
     part = c.head_object(Bucket=bucket, Key=key + "3", PartNumber=1)
+    # A body damaged after signing, with no checksum header: only the SigV4 payload hash
+    # (x-amz-content-sha256, signed over plain http) can reveal it.
+    bare = boto3_client_without_checksums()
+    _corrupt_bodies_in_transit(bare)
+    try:
+        bare.put_object(Bucket=bucket, Key=key + "4", Body=b"data" * 1000)
+        payload_checked = False
+    except botocore.exceptions.ClientError:
+        payload_checked = True
     assert {"validates_sha256": validates, "returns_sha256": "ChecksumSHA256" in put,
             "complete_etag": bool(done.get("ETag")),
-            "part_number_head": part["ContentLength"] == 5 * MiB} == expected
+            "part_number_head": part["ContentLength"] == 5 * MiB,
+            "validates_payload_hash": payload_checked} == expected
+
+
+def boto3_client_without_checksums() -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.session.Session().client("s3", config=Config(
+        s3={"addressing_style": "path"}, request_checksum_calculation="when_required",
+        retries={"total_max_attempts": 1}))
+
+
+def _corrupt_bodies_in_transit(client: Any) -> list[str]:
+    """Flip one byte of every PutObject / UploadPart body after the request is signed (and
+    any checksum computed): what a bad NIC, proxy or memory on the way does. Returns the
+    operations it corrupted."""
+    corrupted: list[str] = []
+
+    def corrupt(request: Any, event_name: str, **_: Any) -> None:
+        body = request.body
+        data = bytearray(body.read() if hasattr(body, "read") else body)
+        if hasattr(body, "seek"):
+            body.seek(0)
+        data[len(data) // 2] ^= 0x01
+        request.body = bytes(data)
+        corrupted.append(event_name.rsplit(".", 1)[1])
+
+    for op in ("PutObject", "UploadPart"):
+        client.meta.events.register(f"before-send.s3.{op}", corrupt)
+    return corrupted
+
+
+@pytest.mark.parametrize("size", [1 * MiB, 11 * MiB])
+def test_the_server_rejects_an_upload_corrupted_in_transit(any_s3_store_url: str,
+                                                           size: int) -> None:
+    """Every upload carries two digests of its body that the server checks before storing
+    anything: botocore's CRC32 (x-amz-checksum-crc32), which SeaweedFS and AWS check, and,
+    over plain http, the SigV4 payload hash (x-amz-content-sha256), which Ceph RGW checks
+    (it ignores x-amz-checksum-* headers; SeaweedFS does not check the payload hash: see
+    test_server_behaviour). Dropping either would leave one of the servers unprotected."""
+    bucket, prefix = split(any_s3_store_url)
+    store = S3BlobStore(bucket, prefix, settings=S3Settings(
+        endpoint_url=os.environ.get("AWS_ENDPOINT_URL_S3"), addressing="path",
+        multipart_threshold=5 * MiB, part_size=5 * MiB, max_attempts=1))
+    data = os.urandom(size)
+    digest = Digest.of(data)
+    corrupted = _corrupt_bodies_in_transit(store.client)
+    with pytest.raises(Unavailable, match="failed to store blob"):
+        store.put(digest, [data])
+    assert corrupted == (["PutObject"] if size < 5 * MiB else ["UploadPart"] * len(corrupted))
+    assert store.stat(digest) is None  # nothing stored, not even the damaged bytes
+    clean = S3BlobStore(bucket, prefix)
+    sent: list[dict[str, str]] = []
+    clean.client.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: sent.append(dict(request.headers)))
+    assert clean.put(digest, [data]) and clean.get(digest) == data
+    if size < 5 * MiB:
+        headers = {k.lower(): v.decode() if isinstance(v, bytes) else v
+                   for k, v in sent[0].items()}
+        assert headers["x-amz-content-sha256"] == hashlib.sha256(data).hexdigest()
+        crc = zlib.crc32(data).to_bytes(4, "big")
+        assert headers["x-amz-checksum-crc32"] == base64.b64encode(crc).decode()
 
 
 def test_iter_lists_only_blobs_under_its_prefix(store: S3BlobStore) -> None:

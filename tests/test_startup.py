@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 import kvgraft
 from kvgraft.cli.main import DEFAULT_CODEC, LAZY_COMMANDS, cli
+from tests.conftest import RegistryFactory
 
 HEAVY = ("sqlalchemy", "alembic", "numpy", "torch", "transformers", "boto3", "botocore",
          "jsonschema", "zstandard", "cryptography", "securesystemslib")
@@ -53,11 +54,48 @@ def test_ls_on_an_empty_registry_loads_only_the_catalog(cli_env: dict[str, str])
     names = imported(cli_env, "ls")
     assert heavy(names) == set()
     assert not (home / "catalog.db").exists()
-    # An empty catalog: SQLAlchemy, but not the migrations, the data path or the models.
+    # An empty catalog: SQLAlchemy Core, but not the migrations, the ORM and its mapped
+    # models, or the data path.
     assert CliRunner(env=cli_env).invoke(cli, ["db", "upgrade"]).exit_code == 0
     names = imported(cli_env, "ls")
     assert "sqlalchemy" in names
     assert heavy(names) == {n for n in names if n.split(".")[0] == "sqlalchemy"}
+    assert not {n for n in names if n.startswith("sqlalchemy.orm")}
+    assert not names & {"kvgraft.catalog.catalog", "kvgraft.catalog.models"}
+
+
+def _at_old_revision(url: str) -> None:
+    from kvgraft.catalog.engine import make_engine
+    from kvgraft.catalog.schema import upgrade
+
+    engine = make_engine(url)
+    upgrade(engine, "0003")
+    engine.dispose()
+
+
+def test_ls_still_upgrades_an_embedded_catalog_that_is_behind(
+        cli_env: dict[str, str]) -> None:
+    from kvgraft.catalog.reader import CatalogReader
+    from kvgraft.catalog.schema import head_revision
+
+    url = f"sqlite:///{cli_env['KVGRAFT_HOME']}/catalog.db"
+    _at_old_revision(url)
+    r = subprocess.run([sys.executable, "-m", "kvgraft.cli", "ls", "--json"], env=cli_env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout == "", r.stderr
+    reader = CatalogReader.open(url)  # refuses anything but head
+    assert reader.current_revision() == head_revision()
+    reader.close()
+
+
+def test_ls_refuses_a_shared_catalog_that_is_behind(cli_env: dict[str, str],
+                                                    tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    _at_old_revision(url)
+    r = subprocess.run([sys.executable, "-m", "kvgraft.cli", "--catalog", url, "ls"],
+                       env=cli_env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 7, r.stderr
+    assert "revision 0003" in r.stderr and "kvgraft db upgrade" in r.stderr
 
 
 def test_lazy_command_table_matches_the_modules() -> None:
@@ -99,3 +137,14 @@ def test_pull_without_a_policy_does_not_load_the_signature_machinery(
         '[policy]\nrequire_signed_by = ["' + "ab" * 32 + '"]\n')
     r = CliRunner(env=cli_env).invoke(cli, ["pull", "t/a:v1"])
     assert r.exit_code == 4, r.output
+
+
+def test_a_listing_opens_no_orm_and_the_full_catalog_reuses_its_engine(
+        make_registry: RegistryFactory, tmp_path: Path) -> None:
+    make_registry(home=tmp_path / "h").catalog.close()  # an existing, empty catalog
+    reg = make_registry(home=tmp_path / "h")
+    assert reg.list() == ()
+    assert "catalog" not in reg.__dict__ and "catalog_reader" in reg.__dict__
+    assert reg.catalog.engine is reg.catalog_reader.engine
+    assert reg.catalog.artifact_digests() == []
+    reg.close()

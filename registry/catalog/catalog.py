@@ -5,19 +5,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, Select, delete, func, select
-from sqlalchemy.exc import DatabaseError, DBAPIError, OperationalError
+from sqlalchemy import Select, delete, func, select
 from sqlalchemy.orm import Session
 
 from kvgraft.catalog import events as chain
-from kvgraft.catalog import gcquery, lineage, schema
-from kvgraft.catalog.engine import RESTORE_HINT, make_engine, safe_url
+from kvgraft.catalog import gcquery, lineage
 from kvgraft.catalog.models import (
     ArtifactBlobRow,
     ArtifactChunkRow,
@@ -30,6 +27,7 @@ from kvgraft.catalog.models import (
     RepositoryArtifactRow,
     TagRow,
 )
+from kvgraft.catalog.reader import CatalogReader, tag_records
 from kvgraft.catalog.records import (
     ArtifactRecord,
     AttestationRecord,
@@ -42,76 +40,22 @@ from kvgraft.catalog.records import (
     stored_digest,
 )
 from kvgraft.digest import Digest, canonical_json
-from kvgraft.errors import CatalogOutdated, IntegrityError, NotFound, Unavailable
+from kvgraft.errors import NotFound
 from kvgraft.reference import Reference
-
-# fnmatch's character set: `[`, an optional `!`, then up to the first `]` after one char.
-_BRACKET = re.compile(r"\[!?.[^\]]*\]")
 
 
 def _now() -> datetime:
     return datetime.now(UTC)
 
 
-
-class Catalog:
-    def __init__(self, engine: Engine, url: str) -> None:
-        self.engine = engine
-        self.url = url
-
-    # --- opening and schema ------------------------------------------------------------
+class Catalog(CatalogReader):
+    """The ORM-backed queries; opening, the schema check and the tag listing come from
+    `CatalogReader`, which a command that only lists can use without loading the ORM."""
 
     @classmethod
-    def open(cls, url: str, *, auto_upgrade: bool = False) -> Catalog:
-        catalog = cls(make_engine(url), url)
-        catalog.check_schema(auto_upgrade=auto_upgrade)
-        return catalog
-
-    def close(self) -> None:
-        self.engine.dispose()
-
-    def current_revision(self) -> str | None:
-        with self._guard(), self.engine.connect() as conn:
-            return schema.current_revision(conn)
-
-    def upgrade(self) -> None:
-        with self._guard():
-            schema.upgrade(self.engine)
-
-    def check_schema(self, *, auto_upgrade: bool) -> None:
-        current, head = self.current_revision(), schema.head_revision()
-        if current == head:
-            return
-        if current is not None and current not in schema.known_revisions():
-            raise CatalogOutdated(
-                f"catalog {safe_url(self.url)} is at revision {current}, newer than this "
-                f"kvgraft knows (head {head})", hint="upgrade kvgraft")
-        if auto_upgrade:
-            self.upgrade()
-            return
-        raise CatalogOutdated(
-            f"catalog {safe_url(self.url)} is at revision {current or 'none'}, this kvgraft "
-            f"needs {head}", hint="run: kvgraft db upgrade")
-
-    @contextmanager
-    def _guard(self) -> Iterator[None]:
-        try:
-            yield
-        except OperationalError as e:
-            raise Unavailable(
-                f"catalog {safe_url(self.url)} is unavailable: {str(e.orig).strip()}") from None
-        except DatabaseError as e:
-            # Exactly DatabaseError (not its IntegrityError/DataError subclasses): SQLite's
-            # "file is not a database" / "database disk image is malformed".
-            if type(e) is not DatabaseError or self.engine.dialect.name != "sqlite":
-                raise
-            raise Unavailable(f"catalog {safe_url(self.url)} is corrupt: "
-                              f"{str(e.orig).strip()}", hint=RESTORE_HINT) from None
-        except DBAPIError as e:
-            if e.connection_invalidated:
-                raise Unavailable(
-                    f"lost the connection to catalog {safe_url(self.url)}") from None
-            raise
+    def from_reader(cls, reader: CatalogReader) -> Catalog:
+        """The full catalog over a reader's engine (its schema already checked)."""
+        return reader if isinstance(reader, Catalog) else cls(reader.engine, reader.url)
 
     @contextmanager
     def _session(self, *, write: bool = False) -> Iterator[Session]:
@@ -298,32 +242,9 @@ class Catalog:
     @staticmethod
     def _tags(s: Session, query: Select[TagRow],
               problems: list[str] | None = None) -> tuple[TagRecord, ...]:
-        """With `problems`, a tag row holding a malformed digest is reported there and
-        skipped, so one damaged row does not hide every other tag; without, it raises."""
-        out = []
-        for t in s.scalars(query.order_by(TagRow.repository, TagRow.tag)):
-            try:
-                digest = stored_digest(t.artifact_digest, "tags", f"tag {t.repository}:{t.tag}")
-            except IntegrityError as e:
-                if problems is None:
-                    raise
-                problems.append(e.message)
-                continue
-            out.append(TagRecord(t.repository, t.tag, digest, aware(t.updated_at)))
-        return tuple(out)
-
-    def list_tags(self, pattern: str | None = None, *,
-                  problems: list[str] | None = None) -> tuple[TagRecord, ...]:
-        """Tags whose repository may match the shell-style `pattern`: `*`, `?` and `[...]`
-        narrow the SQL query; the caller applies the exact glob (fnmatch) to the rows."""
-        q = select(TagRow)
-        if pattern:
-            like = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-            like = _BRACKET.sub("?", like)  # a [set] is one character; fnmatch decides which
-            like = like.replace("*", "%").replace("?", "_")
-            q = q.where(TagRow.repository.like(like, escape="\\"))
-        with self._session() as s:
-            return self._tags(s, q, problems)
+        rows = s.scalars(query.order_by(TagRow.repository, TagRow.tag))
+        return tag_records(((t.repository, t.tag, t.artifact_digest, t.updated_at)
+                            for t in rows), problems)
 
     def blob_records(self, digests: Iterable[Digest]) -> dict[Digest, BlobRecord]:
         keys = [str(d) for d in digests]
