@@ -32,6 +32,7 @@ from kvgraft.errors import (
     Unavailable,
     UsageError,
 )
+from kvgraft.identity import ModelIdentity
 from kvgraft.manifest import Manifest
 from kvgraft.pull import Fetcher, FetchStats, Progress, export, fetch
 from kvgraft.reference import Reference
@@ -127,6 +128,14 @@ class HttpRemote:
                     reason = getattr(e, "reason", e)
                     raise Unavailable(f"{what}: cannot reach {self.url}: {reason}") from None
         raise AssertionError("unreachable")
+
+    def match(self, identity: ModelIdentity, token_ids: Sequence[int]) -> dict[str, Any] | None:
+        """The server's longest cached prefix of `token_ids` for `identity`, among the
+        artifacts this token may pull (kvgraft.match.PrefixMatch's JSON), or None."""
+        q = urllib.parse.urlencode({"q": json.dumps(
+            {"model": identity.to_json(), "tokens": [int(t) for t in token_ids]})})
+        found = self.send("GET", f"/kvgraft/v1/match?{q}", what="prefix match")["match"]
+        return dict(found) if found else None
 
     def catalog(self) -> HttpCatalog:
         from kvgraft.httpcatalog import HttpCatalog

@@ -18,7 +18,7 @@ from typing import Any
 
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -45,7 +45,9 @@ MAX_JSON = 16 << 20  # a push body: the manifest and its labels
 MAX_DETAIL = 64 << 10  # the JSON of one event's detail
 MAX_DIGESTS = 100_000
 # Events with their own endpoint (and checks): a client cannot log them as plain events.
-RESERVED = frozenset({"push", "copy", "tag", "untag", "sign", "attest", "gc", "repair",
+# ("copy" can be: the source side of a copy logs one about an artifact already there, and
+# only an artifact's first push or copy is its origin.)
+RESERVED = frozenset({"push", "tag", "untag", "sign", "attest", "gc", "repair",
                       "token-create", "token-revoke"})
 
 Handler = Callable[[Request, Context, Any], Any]
@@ -143,10 +145,14 @@ async def _read(request: Request, limit: int) -> bytes:
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         raise OciError(413, "SIZE_INVALID", f"the body may hold at most {limit} bytes")
     data = bytearray()
-    async for piece in request.stream():
-        data += piece
-        if len(data) > limit:
-            raise OciError(413, "SIZE_INVALID", f"the body may hold at most {limit} bytes")
+    try:
+        async for piece in request.stream():
+            data += piece
+            if len(data) > limit:
+                raise OciError(413, "SIZE_INVALID",
+                               f"the body may hold at most {limit} bytes")
+    except ClientDisconnect:  # nothing was stored; the client sends it again
+        raise OciError(400, "BLOB_UPLOAD_INVALID", "the connection closed mid-body") from None
     if declared is not None and len(data) != int(declared):
         raise OciError(400, "BLOB_UPLOAD_INVALID", f"the body is truncated: {len(data)} of "
                        f"{declared} bytes")
