@@ -276,3 +276,28 @@ def test_transfers_cut_mid_way_resume(setup: Setup, tmp_path: Path) -> None:
         assert out.read_bytes() == src.read_bytes()
     finally:
         proxy.close()
+
+
+def test_capture_graft_and_match_through_the_server(setup: Setup, tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="grafting needs the [hf] extra (torch)")
+    pytest.importorskip("transformers", reason="grafting needs the [hf] extra (transformers)")
+    from tests.models import build
+
+    model = str(build(tmp_path / "llama", "llama"))
+    text = "Keep the light burning from sunset to sunrise. "
+    t = ["--remote", "team"]
+    captured = json.loads(ok(setup.node, *t, "capture", "team/doc:v1", "--model", model,
+                             "--text", text, "--json"))
+    digest = captured["digest"]
+    grafted = run(setup.node, *t, "graft", "team/doc:v1", "--model", model, "--text",
+                  "And then?", "--max-new-tokens", "4")
+    assert grafted.returncode == 0, grafted.stderr
+    found = json.loads(ok(setup.node, *t, "match", "--model", model, "--text",
+                          text + "And then?", "--json"))["match"]
+    assert found["digest"] == digest and found["references"] == ["team/doc:v1"]
+    # What the token may not read is not found: another repository's token sees nothing.
+    hidden = json.loads(ok(setup.node, "--remote", "other", "match", "--model", model,
+                           "--text", text + "And then?", "--json"))
+    assert hidden["match"] is None
+    events = lines(ok(setup.node, *t, "log", "team/doc:v1", "--json"))
+    assert events[0]["action"] == "push" and {e["actor"] for e in events} == {"token:team-rw"}
