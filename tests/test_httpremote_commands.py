@@ -213,6 +213,22 @@ def test_copy_from_and_to_the_server(setup: Setup, tmp_path: Path) -> None:
         [("token:team-rw", "team/cp"), ("token:team-rw", "team/back")]
 
 
+def test_oci_mirror_from_and_into_an_http_remote(setup: Setup, tmp_path: Path) -> None:
+    """`copy` to and from an OCI registry (here the server's own /v2/) with the current
+    registry an HTTP remote: the blobs come from and go to the server's repositories."""
+    node, t = setup.node, ["--remote", "team"]
+    src = write_synthetic(tmp_path / "oci.kv", tokens=500, seed=5)
+    ok(node, *t, "push", str(src), "team/oci-src:v1")
+    target = f"oci+http://127.0.0.1:{setup.server.port}/team/oci-mirror:v1"
+    creds = ["--token-file", str(setup.root / "team-rw.token")]
+    sent = json.loads(ok(node, *t, "copy", "team/oci-src:v1", target, *creds, "--json"))
+    back = json.loads(ok(node, *t, "copy", target, "team/oci-back:v1", *creds, "--json"))
+    assert back["digest"] == sent["digest"]
+    out = tmp_path / "out.kv"
+    ok(node, *t, "pull", "team/oci-back:v1", "-o", str(out))
+    assert out.read_bytes() == src.read_bytes()
+
+
 class CuttingProxy:
     """A TCP proxy in front of the server that, once in each direction, closes a
     connection after `cut` bytes went that way: a transfer broken mid-blob."""
