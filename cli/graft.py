@@ -24,8 +24,6 @@ from kvgraft.reference import Reference
 
 if TYPE_CHECKING:
     from kvgraft.client import Registry
-    from kvgraft.identity import ModelIdentity
-    from kvgraft.match import PrefixMatch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -289,11 +287,8 @@ def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: i
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_spec, reg.config.cache_dir))
     ids = tokenize(tokenizer, _text(text, text_file))
-    if reg.http is not None:
-        found = _match_over_http(reg, fp.identity, ids, signed_by, require_verified)
-    else:
-        found = match(reg, fp.identity, ids, require_signed_by=signed_by,
-                      require_verified=require_verified)
+    found = match(reg, fp.identity, ids, require_signed_by=signed_by,
+                  require_verified=require_verified)
     if as_json:
         emit_json({"query_tokens": len(ids), "match": found.to_json() if found else None})
         return
@@ -303,25 +298,6 @@ def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: i
     names = ", ".join(found.references) or "untagged"
     click.echo(f"{found.digest}  {found.length} of {len(ids)} tokens cached "
                f"(artifact holds {found.token_count}; {names})")
-
-
-def _match_over_http(reg: Registry, identity: ModelIdentity, ids: list[int],
-                     signed_by: tuple[str, ...], require_verified: bool) -> PrefixMatch | None:
-    """The server answers the lookup (it holds the prefix index); the policy is checked
-    here, on the artifact it found, with this machine's keys and config."""
-    from kvgraft.digest import Digest
-    from kvgraft.match import PrefixMatch
-
-    assert reg.http is not None
-    found = reg.http.match(identity, ids)
-    if found is None:
-        return None
-    result = PrefixMatch(Digest.parse(found["digest"]), int(found["length"]),
-                         int(found["token_count"]), int(found["chunk_tokens"]),
-                         int(found["shared_chunks"]), tuple(found["references"]))
-    reg.open(result.digest, require_signed_by=signed_by, require_verified=require_verified,
-             model=identity, action="match")
-    return result
 
 
 COMMANDS = [fingerprint_cmd, capture_cmd, check_cmd, graft_cmd, verify_graft_cmd, match_cmd]

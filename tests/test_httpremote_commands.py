@@ -19,7 +19,7 @@ import pytest
 
 from kvgraft.blobstore.memory import MemoryBlobStore
 from kvgraft.catalog.records import EventRecord, PushRecord
-from kvgraft.errors import IntegrityError, UsageError
+from kvgraft.errors import AuthRefused, IntegrityError, UsageError
 from kvgraft.httpcatalog import HttpCatalog
 from kvgraft.httpremote import HttpRemote
 from kvgraft.push import PushOptions, build_artifact
@@ -172,6 +172,31 @@ def test_a_manifest_naming_missing_blobs_is_refused(setup: Setup) -> None:
     assert lines(ok(setup.node, "--remote", "team", "ls", "team/half", "--json")) == []
     assert not any(e["repository"] == "team/half" for e in
                    lines(kvgraft(setup.server.env, "log", "--json")))
+
+
+def test_an_upload_is_visible_only_once_it_hashes_to_its_digest(setup: Setup,
+                                                               tmp_path: Path) -> None:
+    path = write_synthetic(tmp_path / "u.kv", tokens=600, seed=21)
+    mem = MemoryBlobStore()
+    chunks = [c.digest for c in build_artifact(path, mem, PushOptions()).manifest.chunks]
+    store = HttpRemote(setup.server.url, setup.tokens["team-rw"]).store("team/uploads")
+    before = stored_blobs(setup.server)
+    with pytest.raises(IntegrityError) as wrong:  # another blob's bytes under this digest
+        store.put(chunks[0], [mem.get(chunks[1])])
+    assert wrong.value.exit_code == 4
+    with pytest.raises(IntegrityError):  # truncated
+        store.put(chunks[0], [mem.get(chunks[0])[:-100]])
+    assert stored_blobs(setup.server) == before and store.stat(chunks[0]) is None
+    reader = HttpRemote(setup.server.url, setup.tokens["team-ro"]).store("team/uploads")
+    with pytest.raises(AuthRefused):
+        reader.put(chunks[0], [mem.get(chunks[0])])
+    assert store.put(chunks[0], [mem.get(chunks[0])]) is True
+    assert store.put(chunks[0], [mem.get(chunks[0])]) is False  # the first copy wins
+    info = store.stat(chunks[0])
+    assert info is not None and info.stored_size == len(mem.get(chunks[0]))
+    assert reader.stat(chunks[0]) is not None  # the repository holds it now
+    assert HttpRemote(setup.server.url, setup.tokens["team-rw"]).store(
+        "team/elsewhere").stat(chunks[0]) is None  # another repository does not
 
 
 def test_a_client_cannot_forge_the_actor_or_a_push_event(setup: Setup) -> None:
