@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
 
 from kvgraft.blobstore.memory import MemoryBlobStore
 from kvgraft.catalog.records import EventRecord, PushRecord
@@ -186,6 +187,12 @@ def test_an_upload_is_visible_only_once_it_hashes_to_its_digest(setup: Setup,
     assert wrong.value.exit_code == 4
     with pytest.raises(IntegrityError):  # truncated
         store.put(chunks[0], [mem.get(chunks[0])[:-100]])
+    # A body larger than its declared size can take is cut off at the limit (413).
+    answer = requests.put(f"{setup.server.url}/kvgraft/v1/upload/{chunks[0]}",
+                          params={"repository": "team/uploads", "size": "10"},
+                          data=mem.get(chunks[0]), timeout=30,
+                          headers={"Authorization": f"Bearer {setup.tokens['team-rw']}"})
+    assert answer.status_code == 413 and answer.json()["errors"][0]["code"] == "SIZE_INVALID"
     assert stored_blobs(setup.server) == before and store.stat(chunks[0]) is None
     reader = HttpRemote(setup.server.url, setup.tokens["team-ro"]).store("team/uploads")
     with pytest.raises(AuthRefused):

@@ -10,10 +10,13 @@ visible only once it decoded and hashed to its digest."""
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
+import os
 from collections.abc import Awaitable, Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import select
@@ -40,6 +43,7 @@ from kvgraft.server.auth import Principal
 from kvgraft.server.context import Context
 from kvgraft.server.errors import OciError
 from kvgraft.server.kvapi import PREFIX
+from kvgraft.server.oci import _receive as receive
 
 MAX_JSON = 16 << 20  # a push body: the manifest and its labels
 MAX_DETAIL = 64 << 10  # the JSON of one event's detail
@@ -119,8 +123,7 @@ def _event_fields(body: Any) -> tuple[str, str, dict[str, Any]]:
 
 
 def _endpoint(fn: Handler, *, body: str | None = None) -> Callable[[Request], Awaitable[Response]]:
-    """`body`: "json" reads a bounded JSON body, "blob" a bounded raw one (the handler's
-    limit: see upload); the handler runs on a worker thread."""
+    """`body`: "json" reads a bounded JSON body; the handler runs on a worker thread."""
 
     async def endpoint(request: Request) -> Response:
         ctx: Context = request.app.state.ctx
@@ -128,8 +131,6 @@ def _endpoint(fn: Handler, *, body: str | None = None) -> Callable[[Request], Aw
             payload: Any = None
             if body == "json":
                 payload = _json(await _read(request, MAX_JSON))
-            elif body == "blob":
-                payload = await _read(request, _upload_limit(request, ctx))
             answer = await run_in_threadpool(fn, request, ctx, payload)
         except OciError as e:
             return e.response()
@@ -301,32 +302,76 @@ def blob_info(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
 # --- writes --------------------------------------------------------------------------
 
 
-def _upload_limit(request: Request, ctx: Context) -> int:
+def _upload_args(request: Request, ctx: Context) -> tuple[str, Digest, int]:
+    repository = _repository(request.query_params.get("repository"))
+    _require(request, ctx, repository, "push")
     size = request.query_params.get("size", "")
     if not size.isdigit():
         raise OciError(400, "SIZE_INVALID", "give the decoded size as ?size=N")
-    return min(max_stored_size(int(size)), ctx.settings.max_upload_bytes)
+    return repository, _digest(request.path_params["digest"]), int(size)
 
 
-def upload(request: Request, ctx: Context, data: bytes) -> dict[str, Any]:
+async def upload(request: Request) -> Response:
     """Store one blob as the client encoded it, once it decoded and hashed to its digest.
-    The first good copy wins; one that no longer verifies is replaced (a push repairs)."""
+    The body is spooled to a scratch file, counted with the open uploads, so their limit
+    bounds how many are taken in at once."""
+    ctx: Context = request.app.state.ctx
+    try:
+        try:
+            repository, digest, size = await run_in_threadpool(_upload_args, request, ctx)
+        except OciError:
+            # Read what was sent before refusing: a client still writing its body would
+            # otherwise see the connection reset instead of the refusal.
+            await _drain(request, ctx.settings.max_upload_bytes)
+            raise
+        limit = min(max_stored_size(size), ctx.settings.max_upload_bytes)
+        scratch = ctx.uploads.scratch()
+        try:
+            fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                await receive(request, fd, 0, limit)
+            finally:
+                os.close(fd)
+            answer = await run_in_threadpool(_store_upload, ctx, repository, digest, size,
+                                             scratch)
+        finally:
+            scratch.unlink(missing_ok=True)
+    except OciError as e:
+        return e.response()
+    except RegistryError as e:
+        return ctx.registry_error(request, e).response()
+    return JSONResponse(answer)
+
+
+async def _drain(request: Request, limit: int) -> None:
+    seen = 0
+    with contextlib.suppress(ClientDisconnect):
+        async for piece in request.stream():
+            seen += len(piece)
+            if seen > limit:
+                return
+
+
+def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
+                  path: Path) -> dict[str, Any]:
+    """The first good copy wins; one that no longer verifies is replaced (so pushing a
+    file again repairs it). The repository then holds the blob."""
     from kvgraft.pull import verify_stored
     from kvgraft.push import checked_record
 
-    repository = _repository(request.query_params.get("repository"))
-    _require(request, ctx, repository, "push")
-    digest = _digest(request.path_params["digest"])
-    size = int(request.query_params["size"])
+    # Blob-sized (the limit is the declared size's bound), and as many at once as the
+    # open-upload limit lets in.
+    data = path.read_bytes()
     try:
         verify_stored(BlobRef(digest, size), data, "the upload")
     except IntegrityError as e:
         raise OciError(400, "DIGEST_INVALID", e.human()) from None
     store = ctx.registry.store
     stored = False
-    kept = checked_record(store, digest, size) if store.stat(digest) is not None else None
+    present = store.stat(digest) is not None
+    kept = checked_record(store, digest, size) if present else None
     if kept is None:
-        if store.stat(digest) is not None:
+        if present:
             store.replace(digest, [data])
             stored = True
         else:
@@ -511,7 +556,7 @@ def routes() -> list[Route]:
         Route(f"{p}/children/{{digest}}", _endpoint(children), methods=["GET"]),
         Route(f"{p}/event-chain", _endpoint(event_chain), methods=["GET"]),
         Route(f"{p}/blobinfo/{{digest}}", _endpoint(blob_info), methods=["GET"]),
-        Route(f"{p}/upload/{{digest}}", _endpoint(upload, body="blob"), methods=["PUT"]),
+        Route(f"{p}/upload/{{digest}}", upload, methods=["PUT"]),
         Route(f"{p}/push", _endpoint(push, body="json"), methods=["POST"]),
         Route(f"{p}/tag", _endpoint(tag, body="json"), methods=["POST"]),
         Route(f"{p}/untag", _endpoint(untag, body="json"), methods=["POST"]),
