@@ -115,6 +115,14 @@ def test_push_pull_ls_inspect_tag_verify_sign_audit_log(setup: Setup, tmp_path: 
     assert [(a["signers"], a["ok"]) for a in audit["attestations"]] == [([keyid], True)]
     assert ok(node, *t, "pull", "team/kv:v1", "--require-signed-by", "alice", "--json")
 
+    # Offline, the pull is served from the machine cache: the server is not asked.
+    kvgraft(node, "remote", "add", "gone", "http://127.0.0.1:9", "--token-file",
+            str(setup.root / "team-rw.token"))
+    offline = tmp_path / "offline.kv"
+    ok(node, "--remote", "gone", "--offline", "pull", "team/kv:v1", "-o", str(offline))
+    assert offline.read_bytes() == setup.src.read_bytes()
+    assert run(node, "--remote", "gone", "ls").returncode == 7  # online, it is unreachable
+
     events = lines(ok(node, *t, "log", "team/kv:v1", "--json"))
     assert {e["action"] for e in events} >= {"push", "pull", "tag", "untag", "verify", "sign"}
     assert {e["actor"] for e in events} == {"token:team-rw"}  # never the client's user
