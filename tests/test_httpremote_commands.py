@@ -357,3 +357,33 @@ def test_capture_graft_and_match_through_the_server(setup: Setup, tmp_path: Path
     assert hidden["match"] is None
     events = lines(ok(setup.node, *t, "log", "team/doc:v1", "--json"))
     assert events[0]["action"] == "push" and {e["actor"] for e in events} == {"token:team-rw"}
+
+
+@pytest.mark.postgres
+@pytest.mark.s3
+def test_commands_through_a_server_on_postgres_and_s3(tmp_path: Path, postgres_url: str,
+                                                       s3_store_url: str) -> None:
+    """The server-side queries behind the HTTP remote, on the shared deployment's backends."""
+    env = server_env(tmp_path / "server", KVGRAFT_CATALOG_URL=postgres_url,
+                     KVGRAFT_BLOB_URL=s3_store_url)
+    kvgraft(env, "db", "upgrade")
+    (tmp_path / "rw.token").write_text(make_token(env, "pg-rw", TEAM))
+    node = server_env(tmp_path / "node")
+    src = write_synthetic(tmp_path / "g.kv", tokens=700)
+    with running_server(env, tmp_path / "server.log") as server:
+        kvgraft(node, "remote", "add", "pg", server.url, "--token-file",
+                str(tmp_path / "rw.token"))
+        t = ["--remote", "pg"]
+        digest = json.loads(ok(node, *t, "push", str(src), "team/pg:v1", "--json"))["digest"]
+        ok(node, *t, "tag", "team/pg:v1", "team/pg:stable")
+        assert {(e["tag"], e["digest"]) for e in lines(ok(node, *t, "ls", "--json"))} == \
+            {("v1", digest), ("stable", digest)}
+        out = tmp_path / "out.kv"
+        ok(node, *t, "pull", "team/pg:stable", "-o", str(out))
+        assert out.read_bytes() == src.read_bytes()
+        ok(node, *t, "verify", "--all")
+        audit = json.loads(ok(node, *t, "audit", "team/pg:v1", "--json"))
+        assert audit["ok"] and audit["digest"] == digest
+        assert {e["actor"] for e in lines(ok(node, *t, "log", "team/pg:v1", "--json"))} == \
+            {"token:pg-rw"}
+    assert "Traceback" not in (tmp_path / "server.log").read_text()
