@@ -104,7 +104,8 @@ class HttpRemote:
     def send(self, method: str, path: str, body: Any = None, *,
              data: Sequence[Buffer] | None = None, what: str) -> Any:
         """One request with a JSON body (`body`) or raw bytes (`data`); the decoded JSON
-        answer. Requests here are idempotent, so a broken connection is retried."""
+        answer. A GET or PUT (an upload) is idempotent, so a broken connection retries it;
+        a POST is not retried (an untag or an attestation must not happen twice)."""
         headers = {"Authorization": f"Bearer {self.token}"}
         payload: Any = None
         if body is not None:
@@ -116,17 +117,25 @@ class HttpRemote:
             headers["Content-Length"] = str(sum(memoryview(d).nbytes for d in data))
         req = urllib.request.Request(f"{self.url}{path}", data=payload, method=method,
                                      headers=headers)
-        for attempt in range(RESUMES + 1):
+        tries = RESUMES + 1 if method in ("GET", "PUT") else 1
+        for attempt in range(tries):
             try:
                 with urllib.request.urlopen(req, timeout=TIMEOUT,
                                             context=self._context()) as r:
-                    return json.loads(r.read() or b"null")
+                    answer = r.read()
             except urllib.error.HTTPError as e:
                 raise _error(e, what) from None
             except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                if attempt == RESUMES:
+                if attempt == tries - 1:
                     reason = getattr(e, "reason", e)
                     raise Unavailable(f"{what}: cannot reach {self.url}: {reason}") from None
+                continue
+            try:
+                return json.loads(answer or b"null")
+            except ValueError:
+                raise Unavailable(f"{what}: {self.url} answered something that is not JSON",
+                                  hint="is the remote's URL that of a kvgraft server?"
+                                  ) from None
         raise AssertionError("unreachable")
 
     def match(self, identity: ModelIdentity, token_ids: Sequence[int]) -> dict[str, Any] | None:

@@ -20,7 +20,7 @@ import requests
 
 from kvgraft.blobstore.memory import MemoryBlobStore
 from kvgraft.catalog.records import EventRecord, PushRecord
-from kvgraft.errors import AuthRefused, IntegrityError, UsageError
+from kvgraft.errors import AuthRefused, IntegrityError, Unavailable, UsageError
 from kvgraft.httpcatalog import HttpCatalog
 from kvgraft.httpremote import HttpRemote
 from kvgraft.push import PushOptions, build_artifact
@@ -267,6 +267,27 @@ def test_oci_mirror_from_and_into_an_http_remote(setup: Setup, tmp_path: Path) -
     out = tmp_path / "out.kv"
     ok(node, *t, "pull", "team/oci-back:v1", "-o", str(out))
     assert out.read_bytes() == src.read_bytes()
+
+
+def test_a_remote_that_is_not_a_kvgraft_server_is_unavailable(tmp_path: Path) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>a web page</html>")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Page) as web:
+        threading.Thread(target=web.serve_forever, daemon=True).start()
+        catalog = HttpCatalog(HttpRemote(f"http://127.0.0.1:{web.server_port}", "kvg_x"))
+        with pytest.raises(Unavailable, match="not JSON") as e:
+            catalog.artifact_digests()
+        assert e.value.exit_code == 7
+        web.shutdown()
 
 
 class CuttingProxy:
