@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from kvgraft.catalog import Catalog
     from kvgraft.catalog.reader import CatalogReader
     from kvgraft.gc import GcPlan, GcResult
+    from kvgraft.httpremote import HttpRemote
     from kvgraft.manifest import Manifest
     from kvgraft.provenance import Keyring, Statement
     from kvgraft.pull import Fetcher, FetchStats, Progress
@@ -142,28 +143,59 @@ class Registry:
     def from_env(cls, *, remote: str | None = None, **overrides: object) -> Registry:
         return cls(Config.from_env(None, remote=remote, **overrides))
 
-    def _direct(self) -> None:
+    @cached_property
+    def http(self) -> HttpRemote | None:
+        """The `kvgraft serve` remote this registry reaches through, if it is one."""
+        if self.config.server_url is None:
+            return None
+        from kvgraft.httpremote import HttpRemote
+
+        if self.config.token_file is None:
+            raise UsageError(f"remote {self.config.remote!r} names no token file",
+                             hint="kvgraft remote add NAME URL --token-file F")
+        return HttpRemote.with_token_file(self.config.server_url, self.config.token_file)
+
+    def direct_only(self, what: str, alternative: str) -> None:
+        """Refuse what only the catalog and store themselves can do (gc, repair, listing
+        raw blobs) when they sit behind a server."""
         if self.config.server_url is not None:
-            raise UsageError(f"remote {self.config.remote!r} is a kvgraft server "
-                             f"({self.config.server_url}): only `pull` works through it yet",
-                             hint="use a remote with a catalog and a store for this command")
+            raise UsageError(f"{what} cannot run through the kvgraft server "
+                             f"{self.config.server_url} (remote {self.config.remote!r})",
+                             hint=alternative)
 
     @cached_property
     def store(self) -> BlobStore:
-        self._direct()
+        """The blob store itself; through a server, blobs are reached per repository
+        (`blob_store`), so this is refused there."""
+        self.direct_only("raw blob store access",
+                         "run it on the server's host with a direct remote (--catalog, "
+                         "--store)")
         self.require_online("the blob store")
         from kvgraft.blobstore import open_store
 
         return open_store(self.config.blob_url)
 
+    def blob_store(self, repository: str | None) -> BlobStore:
+        """Where the blobs of `repository` are read and written: the store, or through a
+        server the repository's blobs (authorised by the token's scope on it)."""
+        if self.http is None:
+            return self.store
+        self.require_online("the server")
+        if not repository:
+            raise UsageError("through a kvgraft server, blobs are reached by repository",
+                             hint="name the artifact by name:tag or name@digest")
+        return self.http.store(repository)
+
     @cached_property
     def catalog(self) -> Catalog:
+        if self.http is not None:
+            self.require_online("the server")
+            return self.http.catalog()  # type: ignore[return-value]
         from kvgraft.catalog import Catalog
 
         reader = self.__dict__.get("catalog_reader")
         if reader is not None:  # opened (and its schema checked) for a listing already
             return Catalog.from_reader(reader)
-        self._direct()
         self.require_online("the catalog")
         return Catalog.open(self.config.catalog_url, auto_upgrade=self.config.embedded)
 
@@ -171,9 +203,8 @@ class Registry:
     def catalog_reader(self) -> CatalogReader:
         """The catalog for reads that need no ORM (listing tags): what `kvgraft ls` loads.
         The full `catalog`, opened before or after, shares its engine."""
-        if "catalog" in self.__dict__:
-            return self.catalog
-        self._direct()
+        if "catalog" in self.__dict__ or self.http is not None:
+            return self.catalog  # through a server, the HTTP catalog lists tags too
         self.require_online("the catalog")
         from kvgraft.catalog.reader import CatalogReader
 
@@ -217,7 +248,8 @@ class Registry:
         for parent in options.parents:
             if not self.catalog.has_artifact(parent):
                 raise NotFound(f"parent artifact {parent} is not in the catalog")
-        upload = build_artifact(path, self.store, options, progress)
+        store = self.blob_store(ref.name)
+        upload = build_artifact(path, store, options, progress)
         m = upload.manifest
         event = self._event("push", repository=ref.name, tag=ref.tag, digest=m.digest,
                             detail={"blobs_stored": upload.stored,
@@ -226,7 +258,7 @@ class Registry:
             m, upload.blobs, ref.name, ref.tag, labels, event))
         if upload.repaired:  # the rows may describe the corrupt objects' encoding
             self.catalog.refresh_blobs(upload.repaired)
-        self._ensure_blobs(m, lambda: build_artifact(path, self.store, options).blobs)
+        self._ensure_blobs(m, lambda: build_artifact(path, store, options).blobs)
         # The push is committed: remembering it in this machine's cache is a convenience
         # (for --offline), so a full or broken cache is a warning, not a failed push.
         def remember() -> None:
@@ -307,7 +339,14 @@ class Registry:
         self.check_policy(reference or digest, manifest, require_signed_by=require_signed_by,
                           require_verified=require_verified, model=model,
                           for_verification=for_verification, action=action)
-        fetcher = Fetcher(None if self.config.offline else self.store, self.cache)
+        store = None
+        if not self.config.offline:
+            repository = reference.name if reference is not None else None
+            if repository is None and self.http is not None:
+                visible = self.catalog.artifact(digest).repositories
+                repository = visible[0] if visible else None
+            store = self.blob_store(repository)
+        fetcher = Fetcher(store, self.cache)
         return OpenedArtifact(reference, digest, manifest, fetcher)
 
     def pull(self, ref: Reference | str, output: Path | None = None, *,
@@ -354,7 +393,8 @@ class Registry:
             raise UsageError(f"{dst} names a different digest than {src}")
         digest = self.resolve(src)
         manifest = Manifest.parse(self.catalog.artifact(digest).manifest, digest)
-        stats = copy_blobs(manifest, self.store, dst_registry.store)
+        src_store, dst_store = self.blob_store(src.name), dst_registry.blob_store(dst.name)
+        stats = copy_blobs(manifest, src_store, dst_store)
         labels = self.catalog.artifact(digest).labels
         detail = {"source": f"{self.config.remote or 'local'}:{src}",
                   "target": f"{dst_registry.config.remote or 'local'}:{dst}",
@@ -364,7 +404,7 @@ class Registry:
             dst_registry._event("copy", repository=dst.name, tag=dst.tag, digest=digest,
                                 detail=detail)))
         dst_registry._ensure_blobs(
-            manifest, lambda: copy_blobs(manifest, self.store, dst_registry.store).blobs)
+            manifest, lambda: copy_blobs(manifest, src_store, dst_store).blobs)
         self.catalog.add_event(self._event("copy", repository=src.name, tag=src.tag,
                                            digest=digest, detail=detail))
         return digest, stats
@@ -375,8 +415,7 @@ class Registry:
         `[!seq]`). With `problems`, damaged tag rows are reported there, not raised."""
         if pattern and not any(ch in pattern for ch in "*?["):
             check_name(pattern)
-        self._direct()
-        if self.config.embedded and "catalog" not in self.__dict__ and \
+        if self.http is None and self.config.embedded and "catalog" not in self.__dict__ and \
                 "catalog_reader" not in self.__dict__ and \
                 not (self.config.home / "catalog.db").exists():
             return ()  # a registry never written to: listing it should not create it
@@ -410,7 +449,8 @@ class Registry:
                 report = VerifyReport(digest, 0, 0, (), (e.message,))
             else:
                 records = self.catalog.blob_records(b.digest for b in manifest.blobs())
-                report = verify_artifact(manifest, self.store, records, workers=workers)
+                report = verify_artifact(manifest, self._store_of(digest), records,
+                                         workers=workers)
             reports.append(report)
             self.catalog.add_event(self._event(
                 "verify", digest=digest, outcome="ok" if report.ok else "failed",
@@ -426,6 +466,9 @@ class Registry:
         (verify again to see the outcome)."""
         from kvgraft import repair
 
+        self.direct_only("repairing blobs", "run `kvgraft verify REF --repair` on the "
+                         "server's host with a direct remote, or push the file again "
+                         "through the server (a push replaces blobs that no longer verify)")
         manifest = self._catalog_manifest(report.artifact)
         bad = [b.digest for b in report.bad]
         left: Sequence[Digest] = ()
@@ -440,6 +483,16 @@ class Registry:
                     "repaired": [str(d) for d in bad if d not in left],
                     "unrepaired": [str(d) for d in left]}))
         return left
+
+    def _store_of(self, digest: Digest, ref: Reference | str | None = None) -> BlobStore:
+        """The store holding the blobs of `digest` (through a server: of the repository
+        `ref` names, else the first one holding the artifact that the token may read)."""
+        if self.http is None:
+            return self.store
+        if ref is not None:
+            return self.blob_store((Reference.parse(ref) if isinstance(ref, str) else ref).name)
+        visible = self.catalog.artifact(digest).repositories
+        return self.blob_store(visible[0] if visible else None)
 
     def verify_tags(self) -> tuple[str, ...]:
         """Every tag that does not lead to an artifact: a malformed digest, or one the
@@ -528,13 +581,16 @@ class Registry:
     def audit(self, ref: Reference | str, *, workers: int = 2) -> AuditReport:
         from kvgraft.audit import audit
 
-        return audit(self.catalog, self.store, self.resolve(ref), self.keyring.trusted(),
+        digest = self.resolve(ref)
+        return audit(self.catalog, self._store_of(digest, ref), digest, self.keyring.trusted(),
                      workers=workers)
 
     def gc_plan(self, *, grace: float | None = None,
                 untagged_older_than: float | None = None) -> GcPlan:
         from kvgraft.gc import DEFAULT_GRACE, plan
 
+        self.direct_only("gc", "run `kvgraft gc` on the server's host with a direct remote "
+                         "(--catalog, --store): it needs the whole catalog and store")
         return plan(self.catalog, self.store,
                     grace=DEFAULT_GRACE if grace is None else grace,
                     untagged_older_than=untagged_older_than)
@@ -542,6 +598,7 @@ class Registry:
     def gc(self, gc_plan: GcPlan, *, allow_empty_catalog: bool = False) -> GcResult:
         from kvgraft.gc import execute
 
+        self.direct_only("gc", "run `kvgraft gc` on the server's host with a direct remote")
         return execute(self.catalog, self.store, gc_plan,
                        self._event("gc", detail={"store": self.store.url}),
                        allow_empty_catalog=allow_empty_catalog)
@@ -595,6 +652,8 @@ class Registry:
                       reupload: Callable[[], Iterable[BlobRecord]]) -> None:
         from kvgraft.gc import ensure_blobs
 
+        if self.http is not None:
+            return  # the server checks its own gc history when it commits the push
         ensure_blobs(self.catalog, self.store, manifest, reupload)
 
 

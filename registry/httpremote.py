@@ -18,30 +18,53 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from kvgraft.blobstore.base import BlobInfo, too_large
 from kvgraft.cache import Cache
 from kvgraft.digest import Buffer, Digest
-from kvgraft.errors import AuthRefused, NotFound, RegistryError, Unavailable, UsageError
+from kvgraft.errors import (
+    AuthRefused,
+    Conflict,
+    IntegrityError,
+    NotFound,
+    RegistryError,
+    Unavailable,
+    UsageError,
+)
+from kvgraft.identity import ModelIdentity
 from kvgraft.manifest import Manifest
 from kvgraft.presigned import Redirect, pieces, store_error
 from kvgraft.pull import Fetcher, FetchStats, Progress, export, fetch
 from kvgraft.reference import Reference
 
+if TYPE_CHECKING:
+    from kvgraft.httpcatalog import HttpCatalog
+
 RESUMES = 3  # times one blob transfer is resumed after a broken connection
 TIMEOUT = 60.0
 
 
+# OCI error codes that mean the content itself is wrong (exit 4), whatever the status.
+_INTEGRITY_CODES = frozenset({"DIGEST_INVALID", "MANIFEST_INVALID", "MANIFEST_BLOB_UNKNOWN",
+                              "BLOB_UPLOAD_INVALID", "SIZE_INVALID"})
+
+
 def _error(e: urllib.error.HTTPError, what: str) -> RegistryError:
+    code = ""
     try:
-        message = json.loads(e.read())["errors"][0]["message"]
+        first = json.loads(e.read())["errors"][0]
+        message, code = first["message"], str(first.get("code", ""))
     except (ValueError, KeyError, IndexError, TypeError):
         message = e.reason
     if e.code in (401, 403):
         return AuthRefused(f"{what}: {message}", hint="check the token and its scopes")
     if e.code == 404:
         return NotFound(f"{what}: {message}")
+    if code in _INTEGRITY_CODES:
+        return IntegrityError(f"{what}: {message}")
+    if e.code == 409:
+        return Conflict(f"{what}: {message}")
     if e.code < 500:
         return UsageError(f"{what}: {message}")
     return Unavailable(f"{what}: server answered {e.code}: {message}")
@@ -93,6 +116,56 @@ class HttpRemote:
                                   hint="the server's KVGRAFT_S3_PUBLIC_ENDPOINT_URL must "
                                        "name an endpoint clients reach") from None
             raise Unavailable(f"{what}: cannot reach {self.url}: {reason}") from None
+
+    def send(self, method: str, path: str, body: Any = None, *,
+             data: Sequence[Buffer] | None = None, what: str) -> Any:
+        """One request with a JSON body (`body`) or raw bytes (`data`); the decoded JSON
+        answer. A GET or PUT (an upload) is idempotent, so a broken connection retries it;
+        a POST is not retried (an untag or an attestation must not happen twice)."""
+        headers = {"Authorization": f"Bearer {self.token}"}
+        payload: Any = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        elif data is not None:
+            payload = list(data)  # re-iterable: a retry sends it again
+            headers["Content-Type"] = "application/octet-stream"
+            headers["Content-Length"] = str(sum(memoryview(d).nbytes for d in data))
+        req = urllib.request.Request(f"{self.url}{path}", data=payload, method=method,
+                                     headers=headers)
+        tries = RESUMES + 1 if method in ("GET", "PUT") else 1
+        for attempt in range(tries):
+            try:
+                with urllib.request.urlopen(req, timeout=TIMEOUT,
+                                            context=self._context()) as r:
+                    answer = r.read()
+            except urllib.error.HTTPError as e:
+                raise _error(e, what) from None
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                if attempt == tries - 1:
+                    reason = getattr(e, "reason", e)
+                    raise Unavailable(f"{what}: cannot reach {self.url}: {reason}") from None
+                continue
+            try:
+                return json.loads(answer or b"null")
+            except ValueError:
+                raise Unavailable(f"{what}: {self.url} answered something that is not JSON",
+                                  hint="is the remote's URL that of a kvgraft server?"
+                                  ) from None
+        raise AssertionError("unreachable")
+
+    def match(self, identity: ModelIdentity, token_ids: Sequence[int]) -> dict[str, Any] | None:
+        """The server's longest cached prefix of `token_ids` for `identity`, among the
+        artifacts this token may pull (kvgraft.match.PrefixMatch's JSON), or None."""
+        q = urllib.parse.urlencode({"q": json.dumps(
+            {"model": identity.to_json(), "tokens": [int(t) for t in token_ids]})})
+        found = self.send("GET", f"/kvgraft/v1/match?{q}", what="prefix match")["match"]
+        return dict(found) if found else None
+
+    def catalog(self) -> HttpCatalog:
+        from kvgraft.httpcatalog import HttpCatalog
+
+        return HttpCatalog(self)
 
     def resolve(self, ref: Reference) -> Digest:
         q = urllib.parse.urlencode({"ref": str(ref)})
@@ -179,24 +252,48 @@ class HttpStore:
 
         return io.BytesIO(self.get(digest))
 
+    def _query(self, **extra: str) -> str:
+        return urllib.parse.urlencode({"repository": self.repository, **extra})
+
     def exists(self, digest: Digest) -> bool:
-        try:
-            self.get(digest)
-        except NotFound:
-            return False
-        return True
+        return self.stat(digest) is not None
 
     def stat(self, digest: Digest) -> BlobInfo | None:
-        raise UsageError("an HTTP remote does not stat blobs")
+        """Only blobs this repository holds (or was sent) are reported: a blob stored for
+        another repository must be uploaded again, which proves its bytes are in hand."""
+        try:
+            info = self.remote.send("GET", f"/kvgraft/v1/blobinfo/{digest}?{self._query()}",
+                                    what=f"blob {digest}")
+        except NotFound:
+            return None
+        return BlobInfo(digest, int(info["stored_size"]), float(info["mtime"]))
 
     def put(self, digest: Digest, parts: Sequence[Buffer]) -> bool:
-        raise UsageError("pushing through an HTTP remote is not supported yet")
+        """Upload a stored (encoded) blob; the server decodes and hashes it against `digest`
+        before anyone can see it, and keeps the first good copy (True if this stored it).
+        A broken connection sends the blob again (blobs are chunk-sized)."""
+        from kvgraft.codec import parse_frame
+
+        head = b""
+        for p in parts:  # the frame header (at most 272 bytes) names the decoded size
+            head += bytes(memoryview(p)[:272 - len(head)])
+            if len(head) >= 272:
+                break
+        _, size, _ = parse_frame(head)
+        answer = self.remote.send(
+            "PUT", f"/kvgraft/v1/upload/{digest}?{self._query(size=str(size))}", data=parts,
+            what=f"upload of blob {digest} to {self.repository}")
+        return bool(answer["stored"])
 
     def replace(self, digest: Digest, parts: Sequence[Buffer]) -> None:
-        raise UsageError("repairing blobs through an HTTP remote is not supported")
+        # The server replaces what it holds only when that no longer verifies.
+        self.put(digest, parts)
 
     def delete(self, digest: Digest) -> bool:
-        raise UsageError("an HTTP remote does not delete blobs")
+        raise UsageError("an HTTP remote does not delete blobs",
+                         hint="`kvgraft gc` runs on the server's host, with a direct remote")
 
     def iter(self) -> Iterator[BlobInfo]:
-        raise UsageError("an HTTP remote does not list blobs")
+        raise UsageError("an HTTP remote does not list raw blobs",
+                         hint="`kvgraft ls` lists artifacts; listing blobs needs a direct "
+                              "remote")

@@ -97,6 +97,8 @@ def match(registry: Registry, identity: ModelIdentity, token_ids: Sequence[int],
     ids = [int(t) for t in token_ids]
     if not ids:
         return None
+    if registry.http is not None:
+        return _match_over_http(registry, identity, ids, require_signed_by, require_verified)
     catalog = registry.catalog
     query = struct.pack(f"<{len(ids)}q", *ids)
     best: PrefixMatch | None = None
@@ -120,3 +122,21 @@ def match(registry: Registry, identity: ModelIdentity, token_ids: Sequence[int],
         return None
     tags = registry.catalog.artifact(best.digest).tags
     return dataclasses.replace(best, references=tuple(f"{t.repository}:{t.tag}" for t in tags))
+
+
+def _match_over_http(registry: Registry, identity: ModelIdentity, ids: list[int],
+                     require_signed_by: Sequence[str], require_verified: bool,
+                     ) -> PrefixMatch | None:
+    """Through a kvgraft server, the server answers the lookup (it holds the prefix index,
+    and answers only what the token may pull); the policy is checked here, with this
+    machine's keys and config, on the artifact it found."""
+    assert registry.http is not None
+    found = registry.http.match(identity, ids)
+    if found is None:
+        return None
+    result = PrefixMatch(Digest.parse(found["digest"]), int(found["length"]),
+                         int(found["token_count"]), int(found["chunk_tokens"]),
+                         int(found["shared_chunks"]), tuple(found["references"]))
+    registry.open(result.digest, require_signed_by=require_signed_by,
+                  require_verified=require_verified, model=identity, action="match")
+    return result

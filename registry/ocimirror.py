@@ -55,10 +55,11 @@ def push_graft(reg: Registry, src: Reference, client: OciClient, dst: OciLocatio
     rendered = render(manifest, record.created_at.isoformat())
     doc = strict_loads(rendered)
     repo = dst.repository
+    store = reg.blob_store(src.name)  # through a kvgraft server: the repository's blobs
 
     def from_store(ref: BlobRef) -> bytes:
-        stored = reg.store.get(ref.digest, max_stored_size(ref.size))
-        return bytes(verify_stored(ref, stored, reg.store.url))
+        stored = store.get(ref.digest, max_stored_size(ref.size))
+        return bytes(verify_stored(ref, stored, store.url))
 
     raw = manifest.canonical()
     getters: dict[Digest, Callable[[], bytes]] = {
@@ -103,14 +104,16 @@ def pull_graft(client: OciClient, src: OciLocation, reg: Registry, dst: Referenc
             raise NotFound(f"parent artifact {parent} of {src} is not in the catalog",
                            hint="copy the parent first")
 
+    store = reg.blob_store(dst.name)
+
     def one(ref: BlobRef) -> tuple[BlobRecord, int]:
-        existing = existing_record(reg.store, ref.digest, ref.size)
+        existing = existing_record(store, ref.digest, ref.size)
         if existing is not None:
             return existing, 0
         data = client.get_blob(src.repository, ref.digest, ref.size)
         codec = select(data)
         parts = frame(codec, data)
-        reg.store.put(ref.digest, parts)
+        store.put(ref.digest, parts)
         stored = sum(memoryview(p).nbytes for p in parts)
         return BlobRecord(ref.digest, ref.size, stored, codec.name), stored
 
