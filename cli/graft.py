@@ -264,12 +264,13 @@ def _verify_vllm(ctx: click.Context, ref: str, model_spec: str, dtype: str | Non
     from kvgraft.errors import IntegrityError, MissingExtra
 
     try:
-        from kvgraft.integrations.vllm.fidelity import DEFAULT_SUFFIX, verify_vllm
+        from kvgraft.integrations.vllm.fidelity import verify_vllm
     except MissingExtra as e:
         raise UsageError(f"verify-graft --engine vllm: {e.message}", hint=e.hint) from None
     from transformers import AutoTokenizer
 
     from kvgraft.integrations.transformers.capture import tokenize
+    from kvgraft.integrations.transformers.fidelity import DEFAULT_SUFFIX
     from kvgraft.integrations.transformers.models import resolve_model_dir
 
     reg = current_registry(ctx)

@@ -47,6 +47,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import IncompatibleModel, IntegrityError, RegistryError, UsageError
 from kvgraft.fingerprint import architecture_digest, fingerprint_dir
 from kvgraft.identity import ModelIdentity
+from kvgraft.integrations.vllm.identity import EngineIdentity, engine_identity
 from kvgraft.manifest import Manifest
 from kvgraft.provenance.statement import fidelity_statement
 from kvgraft.reference import Reference
@@ -58,7 +59,6 @@ RESULT = "KVGRAFT-FIDELITY "
 ENGINE_TIMEOUT = 3600.0
 _VLLM_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 SAME, CROSS = "same-engine", "cross-engine"
-DEFAULT_SUFFIX = " In summary,"  # the transformers check's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,14 +164,17 @@ def graft_engine(manifest: Manifest) -> str:
     return str(made.get("name", "transformers")) if isinstance(made, Mapping) else "transformers"
 
 
-def _stage(registry: Registry, manifest: Manifest, root: Path) -> tuple[Config, Config]:
-    """A private registry holding only the graft (`stage`), and the empty one the engine's
+def _configs(root: Path, cache: Path) -> tuple[Config, Config]:
+    """A private registry to hold only the graft (`stage`), and the empty one the engine's
     connector reads (`engine`; the graft is copied in between the two runs). Both store
     blobs in one temporary directory; the machine cache is the user's (verified reads)."""
     blobs = (root / "blobs").absolute().as_uri()
-    cache = registry.config.cache_dir
     stage, engine = (Config(root / n, default_catalog_url(root / n), blobs, cache)
                      for n in ("stage", "engine"))
+    return stage, engine
+
+
+def _stage(registry: Registry, manifest: Manifest, stage: Config) -> None:
     reg = Registry(stage)
     try:
         stats = copy_blobs(manifest, registry.store, reg.store)
@@ -181,7 +184,6 @@ def _stage(registry: Registry, manifest: Manifest, root: Path) -> tuple[Config, 
                        digest=manifest.digest, detail={"purpose": "fidelity check"})))
     finally:
         reg.close()
-    return stage, engine
 
 
 def _config_json(c: Config) -> dict[str, str]:
@@ -220,6 +222,7 @@ def verify_vllm(registry: Registry, model_dir: Path, ref: Reference | str, *,
         raise UsageError("the suffix has no tokens")
     if steps < 1:
         raise UsageError("the vLLM check compares at least one greedy step")
+    registry.require_online("the catalog and store (the check stages the graft and attests)")
     reference = Reference.parse(ref) if isinstance(ref, str) else ref
     opened = registry.open(reference, require_signed_by=require_signed_by,
                            for_verification=True, action="verify-graft")
@@ -243,11 +246,19 @@ def verify_vllm(registry: Registry, model_dir: Path, ref: Reference | str, *,
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvgraft-vllm-fidelity-") as tmp:
         root = Path(tmp)
-        stage, engine = _stage(registry, manifest, root)
+        stage, engine = _configs(root, registry.config.cache_dir)
         spec = {"model": str(model_dir), "dtype": _VLLM_DTYPES[kv_dtype],
                 "prefix": prefix, "suffix": list(suffix_ids), "steps": steps,
                 "cross": cross, "expected": manifest.model.to_json(),
+                "graft_engine": manifest.model_config.get("engine"),
                 "stage": _config_json(stage), "engine_registry": _config_json(engine)}
+        # what this vLLM would serve, from its configuration alone: another engine or a
+        # graft shorter than a block is refused before an engine starts
+        from vllm.engine.arg_utils import EngineArgs
+
+        _logs_to_stderr()
+        check_engine(EngineArgs(**engine_kwargs(spec)).create_engine_config(), spec)
+        _stage(registry, manifest, stage)
         try:
             result = _run_engine(spec, root / "engine.log")
         except subprocess.TimeoutExpired:
@@ -261,6 +272,19 @@ def verify_vllm(registry: Registry, model_dir: Path, ref: Reference | str, *,
     if attest and (report.byte_exact or (cross and report.ok)):
         report = replace(report, attestation=attest_vllm(registry, report))
     return report
+
+
+def _logs_to_stderr() -> None:
+    """vLLM logs to stdout; this command's stdout is its report (`--json` included). vLLM
+    reads the variable when it configures its logging (on first use); handlers it made
+    already are moved."""
+    import logging
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    for h in logging.getLogger("vllm").handlers:
+        if (type(h) is logging.StreamHandler  # a FileHandler (a subclass) keeps its file
+                and h.stream is not sys.stderr):
+            h.setStream(sys.stderr)
 
 
 def attest_vllm(registry: Registry, report: VllmFidelityReport) -> int:
@@ -324,38 +348,54 @@ def _events(config: Mapping[str, str], wait: float) -> list[Any]:
         reg.close()
 
 
-def run_engine(spec: Mapping[str, Any]) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+def engine_kwargs(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine's arguments (the same for `LLM` and for `EngineArgs`)."""
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
-    from kvgraft.integrations.vllm.identity import engine_identity
-
-    prefix, suffix, steps = list(spec["prefix"]), list(spec["suffix"]), int(spec["steps"])
-    prompt = prefix + suffix
     eng = spec["engine_registry"]
     ktc = KVTransferConfig(
         kv_connector="KvgraftConnector", kv_connector_module_path="kvgraft.integrations.vllm",
         kv_role="kv_consumer", kv_connector_extra_config={
             **eng, "repository": STAGED.name, "publish": False, "restore": True,
             "allow_cross_engine": bool(spec["cross"])})
-    t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"],
-              max_model_len=-(-(len(prompt) + steps) // 128) * 128, enforce_eager=True,
-              kv_transfer_config=ktc, max_num_seqs=1, seed=0, max_logprobs=-1,
-              enable_prefix_caching=True)
-    t1 = time.perf_counter()
-    ident = engine_identity(llm.llm_engine.vllm_config, backend=ATTENTION_BACKEND,
-                            cache_dir=Path(eng["cache_dir"]))
+    tokens = len(spec["prefix"]) + len(spec["suffix"]) + int(spec["steps"])
+    return {"model": spec["model"], "skip_tokenizer_init": True, "dtype": spec["dtype"],
+            "max_model_len": -(-tokens // 128) * 128, "enforce_eager": True,
+            "kv_transfer_config": ktc, "max_num_seqs": 1, "seed": 0, "max_logprobs": -1,
+            "enable_prefix_caching": True}
+
+
+def check_engine(vllm_config: Any, spec: Mapping[str, Any]) -> EngineIdentity:
+    """Refuse a graft this engine cannot restore: another model or engine (exit 5), or
+    one shorter than a block (exit 2)."""
+    ident = engine_identity(vllm_config, backend=ATTENTION_BACKEND,
+                            cache_dir=Path(spec["engine_registry"]["cache_dir"]))
     live = ident.plain if spec["cross"] else ident.identity
     if live.to_json() != spec["expected"]:
-        raise IncompatibleModel(
-            "the graft was made for another engine or model than this vLLM serves "
-            f"(engine here: {json.dumps(ident.engine, sort_keys=True)})")
+        theirs = spec.get("graft_engine") or {}
+        diff = [f"{k} {theirs.get(k)} (graft) vs {v} (here)" for k, v in ident.engine.items()
+                if not spec["cross"] and theirs.get(k) != v]
+        raise IncompatibleModel("the graft was made by another engine or model than this "
+                                "vLLM serves" + (": " + ", ".join(diff) if diff else ""))
     block = ident.block_size
-    if min(len(prefix), len(prompt) - 1) // block == 0:
-        raise UsageError(f"a graft of {len(prefix)} tokens holds no whole vLLM block of "
+    prefix = len(spec["prefix"])
+    if min(prefix, prefix + len(spec["suffix"]) - 1) // block == 0:
+        raise UsageError(f"a graft of {prefix} tokens holds no whole vLLM block of "
                          f"{block} tokens: nothing to restore")
+    return ident
+
+
+def run_engine(spec: Mapping[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prefix, suffix, steps = list(spec["prefix"]), list(spec["suffix"]), int(spec["steps"])
+    prompt = prefix + suffix
+    eng = spec["engine_registry"]
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(spec))
+    t1 = time.perf_counter()
+    ident = check_engine(llm.llm_engine.vllm_config, spec)
     params = SamplingParams(max_tokens=steps, temperature=0.0, detokenize=False, logprobs=-1)
 
     def generate(ids: list[int], p: Any = params) -> Any:
