@@ -214,17 +214,35 @@ def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               help="Greedy steps compared after the suffix.")
 @click.option("--recompute", is_flag=True,
               help="Also recompute the KV from the token ids and compare every tensor digest.")
+@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers",
+              show_default=True, help="Restore and compare on this engine (vllm: the [vllm] "
+              "extra; one engine start).")
+@click.option("--allow-cross-engine", is_flag=True,
+              help="vllm: measure a graft made by another engine (argmax agreement and KL; "
+                   "never byte-exact).")
 @signed_by_option
 @json_option
 @click.pass_context
 def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
                      threads: int | None, suffix_text: str | None, steps: int, recompute: bool,
-                     signed_by: tuple[str, ...], as_json: bool) -> None:
+                     engine: str, allow_cross_engine: bool, signed_by: tuple[str, ...],
+                     as_json: bool) -> None:
     """Check that REF grafted gives logits byte-identical to the fresh two-step computation
     (exit 4 when not); a pass is stored as an attestation on the artifact. A graft the
     signing policy refuses is not loaded (exit 4); require_verified does not apply here,
-    this is the check that verifies."""
+    this is the check that verifies. With --engine vllm the graft is restored by the vLLM
+    connector and compared with vLLM's own two-step computation (exit 5 for a graft of
+    another model or engine; --allow-cross-engine reports agreement and KL instead)."""
     from kvgraft.errors import IntegrityError
+
+    if engine == "vllm":
+        if recompute or threads is not None:
+            raise UsageError("--recompute and --threads apply to --engine transformers only")
+        _verify_vllm(ctx, ref, model_spec, dtype, suffix_text, steps, allow_cross_engine,
+                     signed_by, as_json)
+        return
+    if allow_cross_engine:
+        raise UsageError("--allow-cross-engine applies to --engine vllm only")
     from kvgraft.integrations.transformers import verify_graft
 
     reg = current_registry(ctx)
@@ -238,6 +256,64 @@ def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str |
     if not report.ok:
         raise IntegrityError(f"graft {ref} is not byte-identical to the fresh computation",
                              hint="see the report above")
+
+
+def _verify_vllm(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
+                 suffix_text: str | None, steps: int, allow_cross_engine: bool,
+                 signed_by: tuple[str, ...], as_json: bool) -> None:
+    from kvgraft.errors import IntegrityError, MissingExtra
+
+    try:
+        from kvgraft.integrations.vllm.fidelity import verify_vllm
+    except MissingExtra as e:
+        raise UsageError(f"verify-graft --engine vllm: {e.message}", hint=e.hint) from None
+    from transformers import AutoTokenizer
+
+    from kvgraft.integrations.transformers.capture import tokenize
+    from kvgraft.integrations.transformers.fidelity import DEFAULT_SUFFIX
+    from kvgraft.integrations.transformers.models import resolve_model_dir
+
+    reg = current_registry(ctx)
+    path = resolve_model_dir(model_spec, reg.config.cache_dir, dtype.upper() if dtype else None)
+    suffix = tokenize(AutoTokenizer.from_pretrained(path),
+                      DEFAULT_SUFFIX if suffix_text is None else suffix_text, special=False)
+    report = verify_vllm(reg, path, Reference.parse(ref), suffix_ids=suffix, steps=steps,
+                         allow_cross_engine=allow_cross_engine, dtype=dtype,
+                         require_signed_by=signed_by)
+    if as_json:
+        emit_json(report.to_json())
+    else:
+        print_vllm_fidelity(report)
+    if not report.ok:
+        what = ("restored nothing" if report.restored_tokens == 0
+                else "is not exact against vLLM's own two-step computation")
+        raise IntegrityError(f"graft {ref} on vLLM {what}", hint="see the report above")
+
+
+def print_vllm_fidelity(report: Any) -> None:
+    s = report.summary()
+    click.echo(f"graft {report.reference} ({report.digest.short}) on vLLM "
+               f"{report.engine.get('version')} ({report.engine.get('attention_backend')}), "
+               f"{report.mode}: {report.prefix_tokens} prefix tokens, "
+               f"{len(report.suffix_tokens)} suffix tokens")
+    click.echo(f"restored {s['restored_tokens']} tokens by the connector; the reference took "
+               f"{s['reference_cached']} from vLLM's prefix cache")
+    click.echo(f"{'step':>4}  {'same':<4}  {'token g/r':<13} {'logprob g':>11} "
+               f"{'logprob r':>11} {'max|diff|':>9} {'KL':>9}")
+    for p in report.steps:
+        click.echo(f"{p.index:>4}  {'yes' if p.identical else 'NO':<4}  "
+                   f"{p.graft_token:>6}/{p.reference_token:<6} {p.graft_logprob:>11.6g} "
+                   f"{p.reference_logprob:>11.6g} {p.max_abs_diff:>9.3g} {p.kl:>9.3g}")
+    click.echo(f"argmax agreement {s['argmax_agreement']:.0%}, mean KL {s['mean_kl']:.3g}, "
+               f"max KL {s['max_kl']:.3g}, max |logprob diff| {s['max_abs_diff']:.3g}")
+    for reason in s["restore_failures"]:
+        click.echo(f"restore failed: {reason}")
+    if report.mode == "same-engine":
+        verdict = "EXACT" if report.byte_exact else "DIFFERENT"
+    else:
+        verdict = "APPROXIMATE (cross-engine: not byte-exact)"
+    att = f", attestation #{report.attestation}" if report.attestation is not None else ""
+    click.echo(f"result: {verdict}{att}")
 
 
 def print_fidelity(report: Any) -> None:

@@ -243,15 +243,18 @@ def test_paged_copies_match_the_cpu_attention_layout() -> None:
     key = torch.randn(heads, 2 * BLOCK, dim).bfloat16()
     value = torch.randn(heads, 2 * BLOCK, dim).bfloat16()
     paged.scatter(view, [4, 1], BLOCK, key, value)
-    # how vLLM's CPU attention reads it: [blocks, heads, 2 * block, dim], keys then values
+    # how vLLM's CPU attention ("vec" kernels) reads it: [blocks, heads, 2 * block, dim],
+    # keys then values; a block's keys transposed, [dim, block]
     k_cache, v_cache = raw.view(blocks, heads, 2 * BLOCK, dim).chunk(2, dim=2)
-    assert torch.equal(k_cache[4, 1], key[1, :BLOCK])
+    assert torch.equal(k_cache[4, 1].reshape(dim, BLOCK), key[1, :BLOCK].T)
     assert torch.equal(v_cache[1, 0], value[0, BLOCK:])
     assert torch.count_nonzero(raw[[0, 2, 3, 5]]) == 0
     k2, v2 = paged.gather(view, [4, 1], BLOCK)
     assert torch.equal(k2, key) and torch.equal(v2, value)
     with pytest.raises(UsageError):
         paged.scatter(view, [4], BLOCK, key, value)  # 2 blocks of tokens into 1
+    with pytest.raises(UsageError, match="amx"):  # a key layout the copies do not know
+        paged.block_view(raw, heads, BLOCK, dim, torch.bfloat16, isa="amx")
 
 
 def test_settings_refuse_unknown_keys_and_align_chunks() -> None:

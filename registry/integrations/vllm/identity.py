@@ -50,9 +50,15 @@ def engine_info(vllm_config: Any, backend: str) -> dict[str, Any]:
     import vllm
     from vllm.platforms import current_platform
 
+    from kvgraft.integrations.vllm.paged import attention_isa
+
     cache = vllm_config.cache_config
+    model = vllm_config.model_config
+    # the kernels' ISA decides the KV's bytes (and the paged key layout the copies convert)
+    isa = attention_isa(model.dtype, int(cache.block_size), int(model.get_head_size()))
     return {"name": "vllm", "version": str(vllm.__version__), "torch": str(torch.__version__),
-            "attention_backend": backend, "device": str(current_platform.device_type),
+            "attention_backend": backend, "attention_isa": isa,
+            "device": str(current_platform.device_type),
             "block_size": int(cache.block_size), "cache_dtype": str(cache.cache_dtype)}
 
 
