@@ -77,6 +77,8 @@ def run_node(model: Path, env: dict[str, str], prompts: list[list[int]],
             "extra": {"repository": REPO}, **options}
     proc = subprocess.run([sys.executable, "-m", "tests.vllm_node", json.dumps(spec)],
                           cwd=ROOT, capture_output=True, text=True, timeout=NODE_TIMEOUT)
+    # vLLM logs (the connector's lines included) to stdout
+    (Path(env["KVGRAFT_HOME"]).parent / "node.log").write_text(proc.stdout + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVGRAFT-RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     result: list[dict[str, Any]] = json.loads(lines[-1].split(" ", 1)[1])
@@ -185,6 +187,8 @@ def test_node_b_restores_and_matches_two_step_reference(world: dict[str, Any],
         assert got["logprobs"] == ref["logprobs"]  # exact, not approximately
     restores = [e for e in _events(world, "restore") if e.outcome == "ok"]
     assert [e.detail["tokens"] for e in restores] == [256, 256]
+    log = (world["root"] / "b" / "node.log").read_text()
+    assert log.count("a recent graft: no catalog query") == 1  # the second Q1
     assert restores[0].detail["engine"]["name"] == "vllm"
 
 
