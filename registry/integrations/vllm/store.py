@@ -71,7 +71,13 @@ class Settings:
                    timeout)
 
     def open(self) -> Registry:
-        return Registry.from_env(remote=self.remote, **self.overrides)
+        from kvgraft.config import Config
+
+        # `home` stands for KVGRAFT_HOME: the catalog, store and remotes it implies follow it
+        env = dict(os.environ)
+        if "home" in self.overrides:
+            env["KVGRAFT_HOME"] = str(self.overrides["home"])
+        return Registry(Config.from_env(env, remote=self.remote, **self.overrides))
 
 
 def aligned_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
