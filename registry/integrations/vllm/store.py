@@ -30,7 +30,7 @@ log = logging.getLogger("vllm.kvgraft")
 
 _SETTINGS = ("home", "catalog_url", "blob_url", "cache_dir", "remote", "repository",
              "chunk_tokens", "publish", "restore", "allow_cross_engine", "queue_size",
-             "min_tokens")
+             "min_tokens", "lookup_timeout")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,8 @@ class Settings:
     allow_cross_engine: bool = False
     queue_size: int = 8
     min_tokens: int = 0  # shorter prompts are neither looked up nor published
+    # seconds a request waits for its lookup and first fetch before computing its prefill
+    lookup_timeout: float = 5.0
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> Settings:
@@ -55,13 +57,27 @@ class Settings:
                              f"known: {', '.join(_SETTINGS)}")
         overrides = {k: (Path(str(extra[k])) if k in ("home", "cache_dir") else str(extra[k]))
                      for k in ("home", "catalog_url", "blob_url", "cache_dir") if k in extra}
+        try:
+            timeout = float(extra.get("lookup_timeout", 5.0))
+        except (TypeError, ValueError):
+            timeout = float("nan")
+        if not timeout > 0:  # NaN too
+            raise UsageError(f"lookup_timeout must be a positive number of seconds, "
+                             f"not {extra['lookup_timeout']!r}")
         return cls(overrides, extra.get("remote"), extra.get("repository"),
                    int(extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)), extra.get("publish"),
                    extra.get("restore"), bool(extra.get("allow_cross_engine", False)),
-                   int(extra.get("queue_size", 8)), int(extra.get("min_tokens", 0)))
+                   int(extra.get("queue_size", 8)), int(extra.get("min_tokens", 0)),
+                   timeout)
 
     def open(self) -> Registry:
-        return Registry.from_env(remote=self.remote, **self.overrides)
+        from kvgraft.config import Config
+
+        # `home` stands for KVGRAFT_HOME: the catalog, store and remotes it implies follow it
+        env = dict(os.environ)
+        if "home" in self.overrides:
+            env["KVGRAFT_HOME"] = str(self.overrides["home"])
+        return Registry(Config.from_env(env, remote=self.remote, **self.overrides))
 
 
 def aligned_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
