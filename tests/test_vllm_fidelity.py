@@ -34,6 +34,7 @@ from kvgraft.reference import Reference
 from tests import test_vllm as base
 
 world = base.world  # the module fixture: node A publishes Q1 and Q2 (one engine start)
+cluster = base.cluster  # what world runs on: PostgreSQL + a SeaweedFS bucket
 
 TEXT = "Keep the light burning from sunset to sunrise, and log every ship you see. " * 4
 
