@@ -347,29 +347,59 @@ def test_publish_lookup_prefetch(tmp_path: Path, catalog_url: str) -> None:
         b.close()
 
 
-def test_paged_copies_match_the_cpu_attention_layout() -> None:
+def _amx_offsets(block: int, dim: int) -> tuple[Any, Any]:
+    """Where vLLM's AMX `reshape_and_cache` puts key and value element (token t, dim d) of
+    one head's block, as element offsets (its index arithmetic, written out per element)."""
+    import torch
+
+    t = torch.arange(block).view(-1, 1)
+    d = torch.arange(dim).view(1, -1)
+    # keys: int32 pairs of dims, in groups of 16 tokens
+    key = ((t // 16) * (16 * (dim // 2)) + t % 16 + (d // 2) * 16) * 2 + d % 2
+    # values: pairs of tokens, in groups of 16 dims
+    value = (d // 16) * (block * 16) + (t // 2) * 32 + (d % 16) * 2 + t % 2
+    return key, value
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_paged_copies_match_the_cpu_attention_layout(isa: str) -> None:
     import torch
 
     from kvgraft.integrations.vllm import paged
 
     blocks, heads, dim = 6, 2, 64
     raw = torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=torch.bfloat16)
-    view = paged.block_view(raw, heads, BLOCK, dim, torch.bfloat16)
+    layer = paged.block_view(raw, heads, BLOCK, dim, torch.bfloat16, isa=isa)
     key = torch.randn(heads, 2 * BLOCK, dim).bfloat16()
     value = torch.randn(heads, 2 * BLOCK, dim).bfloat16()
-    paged.scatter(view, [4, 1], BLOCK, key, value)
-    # how vLLM's CPU attention ("vec" kernels) reads it: [blocks, heads, 2 * block, dim],
-    # keys then values; a block's keys transposed, [dim, block]
+    paged.scatter(layer, [4, 1], key, value)
+    # how vLLM's CPU attention reads it: [blocks, heads, 2 * block, dim], keys then values
     k_cache, v_cache = raw.view(blocks, heads, 2 * BLOCK, dim).chunk(2, dim=2)
-    assert torch.equal(k_cache[4, 1].reshape(dim, BLOCK), key[1, :BLOCK].T)
-    assert torch.equal(v_cache[1, 0], value[0, BLOCK:])
+    if isa == "vec":  # a block's keys transposed, [dim, block]; values as they are
+        assert torch.equal(k_cache[4, 1].reshape(dim, BLOCK), key[1, :BLOCK].T)
+        assert torch.equal(v_cache[1, 0], value[0, BLOCK:])
+    else:
+        k_at, v_at = _amx_offsets(BLOCK, dim)
+        assert torch.equal(k_cache[4, 1].reshape(-1)[k_at], key[1, :BLOCK])
+        assert torch.equal(v_cache[1, 0].reshape(-1)[v_at], value[0, BLOCK:])
     assert torch.count_nonzero(raw[[0, 2, 3, 5]]) == 0
-    k2, v2 = paged.gather(view, [4, 1], BLOCK)
+    k2, v2 = paged.gather(layer, [4, 1])
     assert torch.equal(k2, key) and torch.equal(v2, value)
     with pytest.raises(UsageError):
-        paged.scatter(view, [4], BLOCK, key, value)  # 2 blocks of tokens into 1
-    with pytest.raises(UsageError, match="amx"):  # a key layout the copies do not know
-        paged.block_view(raw, heads, BLOCK, dim, torch.bfloat16, isa="amx")
+        paged.scatter(layer, [4], key, value)  # 2 blocks of tokens into 1
+
+
+def test_paged_copies_refuse_unknown_layouts() -> None:
+    import torch
+
+    from kvgraft.integrations.vllm import paged
+
+    raw = torch.zeros(2, 2, BLOCK, 2 * 64, dtype=torch.bfloat16)
+    with pytest.raises(UsageError, match="neon"):  # a layout the copies do not know
+        paged.block_view(raw, 2, BLOCK, 64, torch.bfloat16, isa="neon")
+    with pytest.raises(UsageError, match="head dim"):  # AMX packs head dims in 32s
+        paged.block_view(torch.zeros(2, 2, BLOCK, 2 * 48, dtype=torch.bfloat16), 2, BLOCK,
+                         48, torch.bfloat16, isa="amx")
 
 
 def test_settings_refuse_unknown_keys_and_align_chunks(tmp_path: Path,

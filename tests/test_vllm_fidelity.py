@@ -45,7 +45,7 @@ def _cli(world: dict[str, Any], *args: str) -> Result:
 
 
 def _ref(world: dict[str, Any]) -> str:
-    reg = base._registry(world["shared"], world["root"] / "inspector")
+    reg = base._registry(world)
     try:
         return f"{base.REPO}@{base._published(reg, base.Q1)}"
     finally:
@@ -53,7 +53,7 @@ def _ref(world: dict[str, Any]) -> str:
 
 
 def _fidelity(world: dict[str, Any], ref: str) -> list[Statement]:
-    reg = base._registry(world["shared"], world["root"] / "inspector")
+    reg = base._registry(world)
     try:
         digest = reg.resolve(ref)
         return [Statement.parse(a.statement) for a in reg.catalog.attestations(digest, FIDELITY)]
@@ -127,7 +127,7 @@ def _publish_as(world: dict[str, Any], repository: str, engine: dict[str, Any],
     from kvgraft.integrations.vllm.identity import EngineIdentity
     from kvgraft.integrations.vllm.store import publish
 
-    reg = base._registry(world["shared"], world["root"] / "inspector")
+    reg = base._registry(world)
     try:
         fp = fingerprint_dir(world["models"]["m0"], dtype="BF16", cache_dir=reg.config.cache_dir)
         config = {**fp.config, "engine": engine}
@@ -143,7 +143,7 @@ def _publish_as(world: dict[str, Any], repository: str, engine: dict[str, Any],
 
 
 def _real_engine(world: dict[str, Any]) -> dict[str, Any]:
-    reg = base._registry(world["shared"], world["root"] / "inspector")
+    reg = base._registry(world)
     try:
         engine: dict[str, Any] = dict(reg.manifest(reg.resolve(_ref(world)))
                                       .model_config["engine"])

@@ -20,9 +20,9 @@ from kvgraft.errors import RegistryError, UsageError
 from kvgraft.identity import ModelIdentity
 from kvgraft.reference import Reference
 from kvgraft.server import content
-from kvgraft.server.auth import Principal
 from kvgraft.server.context import Context
 from kvgraft.server.errors import OciError
+from kvgraft.server.remotecommon import principal_of, require
 
 PREFIX = "/kvgraft/v1"
 MAX_BODY = 16 << 20
@@ -31,18 +31,6 @@ MAX_BODY = 16 << 20
 def _ctx(request: Request) -> Context:
     ctx: Context = request.app.state.ctx
     return ctx
-
-
-def _principal(request: Request, ctx: Context) -> Principal:
-    principal = ctx.authenticate(request)
-    request.state.principal = principal
-    return principal
-
-
-def _require(request: Request, ctx: Context, repository: str, action: str) -> None:
-    principal = _principal(request, ctx)
-    if not principal.may(ctx.settings, repository, action):
-        raise ctx.refuse(request, principal, repository, action)
 
 
 def _ref(request: Request) -> Reference:
@@ -70,7 +58,7 @@ def _guarded(fn: Callable[[Request, Context], Any]) -> Callable[[Request], Any]:
 
 def resolve(request: Request, ctx: Context) -> dict[str, Any]:
     ref = _ref(request)
-    _require(request, ctx, ref.name, "pull")
+    require(request, ctx, ref.name, "pull")
     digest = ctx.registry.catalog.resolve(ref)
     return {"reference": str(ref), "digest": str(digest),
             "oci_digest": ocigraft.oci_digest(ctx.render_graft(digest))}
@@ -78,7 +66,7 @@ def resolve(request: Request, ctx: Context) -> dict[str, Any]:
 
 def artifact(request: Request, ctx: Context) -> dict[str, Any]:
     ref = _ref(request)
-    _require(request, ctx, ref.name, "pull")
+    require(request, ctx, ref.name, "pull")
     digest = ctx.registry.catalog.resolve(ref)
     record = ctx.registry.catalog.artifact(digest)
     out = ctx.registry.inspect(Reference(ref.name, digest=digest)).to_json()
@@ -92,13 +80,13 @@ def artifact(request: Request, ctx: Context) -> dict[str, Any]:
 
 def labels(request: Request, ctx: Context) -> dict[str, Any]:
     ref = _ref(request)
-    _require(request, ctx, ref.name, "pull")
+    require(request, ctx, ref.name, "pull")
     record = ctx.registry.catalog.artifact(ctx.registry.catalog.resolve(ref))
     return {"digest": str(record.digest), "labels": dict(record.labels)}
 
 
 def models(request: Request, ctx: Context) -> dict[str, Any]:
-    _principal(request, ctx)
+    principal_of(request, ctx)
     if request.state.principal.token is None:
         raise ctx.refuse(request, request.state.principal, None, "pull")
     with ctx.registry.catalog._session() as s:
@@ -112,10 +100,10 @@ def log(request: Request, ctx: Context) -> dict[str, Any]:
     text = request.query_params.get("ref")
     if text:
         ref = _ref(request)
-        _require(request, ctx, ref.name, "pull")
+        require(request, ctx, ref.name, "pull")
         events = ctx.registry.log(ref)
     else:  # the whole log names every repository: admin only
-        _require(request, ctx, "*", "admin")
+        require(request, ctx, "*", "admin")
         events = ctx.registry.log(None)
     return {"events": [{"id": e.id, "at": e.at.isoformat() if e.at else None,
                         "action": e.action, "actor": e.actor, "host": e.host,
@@ -127,7 +115,7 @@ def log(request: Request, ctx: Context) -> dict[str, Any]:
 def match(request: Request, ctx: Context) -> dict[str, Any]:
     from kvgraft.match import match as prefix_match
 
-    principal = _principal(request, ctx)
+    principal = principal_of(request, ctx)
     raw = request.query_params.get("q")
     if raw is None or len(raw) > MAX_BODY:
         raise OciError(400, "UNSUPPORTED",
@@ -156,7 +144,7 @@ def stored(request: Request, ctx: Context) -> Response:
     from kvgraft.digest import Digest
 
     repository = request.query_params.get("repository", "")
-    _require(request, ctx, repository, "pull")
+    require(request, ctx, repository, "pull")
     try:
         digest = Digest.parse(request.path_params["digest"])
     except UsageError as e:

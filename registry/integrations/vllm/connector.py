@@ -173,7 +173,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         self._need_load: dict[str, tuple[RestorePlan, int]] = {}
         self._pending: dict[str, _Pending] = {}
         # worker state
-        self._views: list[torch.Tensor] = []
+        self._views: list[paged.PagedLayer] = []
         self._saving: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._load_errors: set[int] = set()
         self._bufs: list[bytearray] = []
@@ -464,7 +464,7 @@ class KvgraftConnector(KVConnectorBase_V1):
                         t = paged.tensor_from(view, base + entry["data_offsets"][0],
                                               tuple(entry["shape"]), dtype)
                         kv.append(t[:, a:b])
-                    paged.scatter(dst, blocks, self._block, kv[0], kv[1])
+                    paged.scatter(dst, blocks, kv[0], kv[1])
                     written += 2 * kv[0].numel() * kv[0].element_size()
                 if k + window < len(todo):
                     futures[k + window] = pool.submit(fetch, k + window)
@@ -494,7 +494,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         view = self._views[int(m.group(1))]
         for spec in meta.saves:
             self._saving.setdefault(spec.req_id, []).append(
-                paged.gather(view, spec.block_ids, self._block))
+                paged.gather(view, spec.block_ids))
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()

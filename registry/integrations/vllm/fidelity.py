@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +75,7 @@ class Step:
     kl: float  # KL(reference || graft), nats
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "graft_token": self.graft_token,
-                "reference_token": self.reference_token,
-                "graft_logprob": self.graft_logprob,
-                "reference_logprob": self.reference_logprob, "identical": self.identical,
-                "max_abs_diff": self.max_abs_diff, "kl": self.kl}
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)

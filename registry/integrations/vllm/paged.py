@@ -3,10 +3,17 @@ a KV file.
 
 vLLM's CPU attention backend keeps one tensor per layer, [blocks, kv_heads, block_size, X],
 which it views as [blocks, kv_heads, 2 * block_size, head_dim]: within a block and a head,
-the keys, then `block_size` value rows. Its kernels choose how keys are laid out (the
-"ISA" vLLM picks from the dtype, block size and head size): with "vec" (x86 AVX2/AVX-512
-without AMX) a block's keys are stored transposed, [head_dim, block_size] (measured: a
-transformers prefill's keys equal the block's key bytes read that way, to bf16 rounding).
+`block_size` rows of keys, then `block_size` rows of values. Its kernels (the "ISA" vLLM
+picks from the CPU, dtype, block size and head size) choose how those bytes are laid out:
+
+- "vec" (x86 AVX2/AVX-512 without AMX): keys transposed, [head_dim, block_size]; values
+  as they are, [block_size, head_dim] (measured: a transformers prefill's keys equal the
+  block's key bytes read that way, to bf16 rounding).
+- "amx" (x86 with AMX tiles, bf16, block size a multiple of 32): keys in groups of 16
+  tokens, each group [head_dim / 2, 16 tokens, 2 dims]; values in groups of 16 dims, each
+  group [block_size / 2, 16 dims, 2 tokens] (the B-matrix packing of AMX tiles, as
+  vLLM's `reshape_and_cache` for AMX writes it).
+
 The copies here convert to and from the KV file's [kv_heads, tokens, head_dim], so a graft
 holds the same layout whichever engine made it; a layout not known here is refused.
 Every span moved here starts and ends on a block boundary, so a span is a set of whole
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +34,7 @@ from kvgraft.errors import UsageError
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-KNOWN_ISAS = ("vec",)  # key layouts the copies below implement
+KNOWN_ISAS = ("vec", "amx")  # layouts the copies below implement
 
 
 @functools.cache
@@ -37,13 +45,45 @@ def attention_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
     return str(_get_attn_isa(dtype, block_size, head_dim))
 
 
+@dataclass(frozen=True, slots=True)
+class PagedLayer:
+    """One layer's paged cache as [blocks, kv_heads, 2 * block_size, head_dim], and the
+    kernel family whose layout its bytes are in."""
+
+    view: torch.Tensor
+    isa: str
+    block_size: int
+
+    def key(self, block: int) -> torch.Tensor:
+        """A block's keys as a strided view whose dims, in order, flatten to
+        [kv_heads, block_size, head_dim] (see `_file_view`)."""
+        heads, dim, bs = self.view.shape[1], self.view.shape[3], self.block_size
+        raw = self.view[block, :, :bs]
+        if self.isa == "amx":
+            return raw.view(heads, bs // 16, dim // 2, 16, 2).permute(0, 1, 3, 2, 4)
+        return raw.view(heads, dim, bs).transpose(1, 2)
+
+    def value(self, block: int) -> torch.Tensor:
+        heads, dim, bs = self.view.shape[1], self.view.shape[3], self.block_size
+        raw = self.view[block, :, bs:]
+        if self.isa == "amx":
+            return raw.view(heads, dim // 16, bs // 2, 16, 2).permute(0, 2, 4, 1, 3)
+        return raw
+
+
+def _file_view(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, block_size, head_dim] of a KV file viewed in the shape of a paged block's
+    key or value view (only splits dims, so it is a view whatever the strides)."""
+    return t.view(like.shape)
+
+
 def block_view(layer: torch.Tensor, kv_heads: int, block_size: int, head_dim: int,
-               dtype: torch.dtype, isa: str | None = None) -> torch.Tensor:
-    """[blocks, kv_heads, 2 * block_size, head_dim] view of one layer's paged cache, whose
-    keys are laid out as `isa` (default: what vLLM chooses here) lays them out."""
+               dtype: torch.dtype, isa: str | None = None) -> PagedLayer:
+    """One layer's paged cache, its bytes laid out as `isa` (default: what vLLM chooses
+    here for this dtype, block size and head dim) lays them out."""
     isa = isa or attention_isa(dtype, block_size, head_dim)
     if isa not in KNOWN_ISAS:
-        raise UsageError(f"vLLM CPU attention kernels {isa!r} lay keys out in a way the "
+        raise UsageError(f"vLLM CPU attention kernels {isa!r} lay KV out in a way the "
                          f"kvgraft connector does not know (known: {', '.join(KNOWN_ISAS)})")
     t = layer if layer.dtype == dtype else layer.view(dtype)
     if t.dim() != 4 or t.shape[1] != kv_heads or t.shape[2] != block_size:
@@ -52,41 +92,38 @@ def block_view(layer: torch.Tensor, kv_heads: int, block_size: int, head_dim: in
     view = t.view(t.shape[0], kv_heads, 2 * block_size, -1)
     if view.shape[3] != head_dim:
         raise UsageError(f"paged KV head dim {view.shape[3]} != model head dim {head_dim}")
-    return view
+    if isa == "amx" and (block_size % 32 or head_dim % 32):
+        raise UsageError(f"AMX layout needs block size and head dim multiples of 32 "
+                         f"(block {block_size}, head dim {head_dim})")
+    return PagedLayer(view, isa, block_size)
 
 
-def gather(view: torch.Tensor, blocks: Sequence[int], block_size: int,
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def gather(layer: PagedLayer, blocks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(key, value), each [kv_heads, len(blocks) * block_size, head_dim], contiguous copies."""
-    heads, dim = view.shape[1], view.shape[3]
-    key = torch.empty(heads, len(blocks) * block_size, dim, dtype=view.dtype)
+    heads, dim, bs = layer.view.shape[1], layer.view.shape[3], layer.block_size
+    key = torch.empty(heads, len(blocks) * bs, dim, dtype=layer.view.dtype)
     value = torch.empty_like(key)
     for j, b in enumerate(blocks):
-        key[:, j * block_size : (j + 1) * block_size].copy_(_keys(view, b, block_size))
-        value[:, j * block_size : (j + 1) * block_size].copy_(view[b, :, block_size:])
+        k, v = layer.key(b), layer.value(b)
+        _file_view(key[:, j * bs : (j + 1) * bs], k).copy_(k)
+        _file_view(value[:, j * bs : (j + 1) * bs], v).copy_(v)
     return key, value
 
 
-def _keys(view: torch.Tensor, block: int, block_size: int) -> torch.Tensor:
-    """A block's keys as [kv_heads, block_size, head_dim] (a strided view of the
-    [head_dim, block_size] bytes, copied in place by the callers)."""
-    heads, dim = view.shape[1], view.shape[3]
-    return view[block, :, :block_size].view(heads, dim, block_size).transpose(1, 2)
-
-
-def scatter(view: torch.Tensor, blocks: Sequence[int], block_size: int, key: torch.Tensor,
+def scatter(layer: PagedLayer, blocks: Sequence[int], key: torch.Tensor,
             value: torch.Tensor) -> None:
     """Write key/value [kv_heads, len(blocks) * block_size, head_dim] into `blocks`.
 
     One copy per block: each is below torch's parallel grain size, so it runs on the calling
     thread. A single indexed copy of many blocks is split across torch's threads, which
     vLLM binds to the cores it computes on: measured 15x slower on 2 cores."""
-    tokens, n = key.shape[1], len(blocks)
-    if tokens != n * block_size or value.shape != key.shape:
+    bs, tokens, n = layer.block_size, key.shape[1], len(blocks)
+    if tokens != n * bs or value.shape != key.shape:
         raise UsageError(f"span of {tokens} tokens does not fill {n} blocks")
     for j, b in enumerate(blocks):
-        _keys(view, b, block_size).copy_(key[:, j * block_size : (j + 1) * block_size])
-        view[b, :, block_size:].copy_(value[:, j * block_size : (j + 1) * block_size])
+        k, v = layer.key(b), layer.value(b)
+        k.copy_(_file_view(key[:, j * bs : (j + 1) * bs], k))
+        v.copy_(_file_view(value[:, j * bs : (j + 1) * bs], v))
 
 
 def tensor_from(buf: Any, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
