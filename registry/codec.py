@@ -136,11 +136,15 @@ def get_codec(name: str, level: int | None = None) -> Codec:
     return factory(level)
 
 
+def frame_prefix(codec_name: str) -> bytes:
+    """A frame header up to (not including) its decoded size."""
+    name = codec_name.encode("ascii")
+    return MAGIC + bytes([FRAME_VERSION, len(name)]) + name
+
+
 def frame(codec: Codec, data: Buffer) -> list[Buffer]:
     """Encode `data` and return the stored blob as parts (header, body): no extra copy."""
-    name = codec.name.encode("ascii")
-    size = memoryview(data).nbytes
-    header = MAGIC + bytes([FRAME_VERSION, len(name)]) + name + _SIZE.pack(size)
+    header = frame_prefix(codec.name) + _SIZE.pack(memoryview(data).nbytes)
     return [header, codec.encode(data)]
 
 

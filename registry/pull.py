@@ -43,11 +43,16 @@ class FetchStats:
 
 
 class Fetcher:
-    """Gets verified decoded blobs: from the cache, else from the store into the cache."""
+    """Gets verified decoded blobs: from the cache, else from the store into the cache.
 
-    def __init__(self, store: BlobStore | None, cache: Cache) -> None:
+    With `keep_decoded` the cache keeps what passes through it decoded (for a reader that
+    comes back for the same blobs on a hot path: the vLLM connector)."""
+
+    def __init__(self, store: BlobStore | None, cache: Cache, *,
+                 keep_decoded: bool = False) -> None:
         self.store = store
         self.cache = cache
+        self.keep_decoded = keep_decoded
         self._lock = threading.Lock()
         self._fetched = self._bytes = self._hits = 0
 
@@ -78,7 +83,7 @@ class Fetcher:
     def get(self, ref: BlobRef, into: Buffer | None = None) -> tuple[Buffer, int]:
         """(decoded bytes, stored bytes transferred: 0 on a cache hit). With `into` (a
         buffer of at least `ref.size` bytes) the bytes are decoded there."""
-        data = self.cache.get(ref.digest, ref.size, into)
+        data = self.cache.get(ref.digest, ref.size, into, keep_decoded=self.keep_decoded)
         if data is not None:
             self._count(0)
             return data, 0
@@ -87,13 +92,17 @@ class Fetcher:
                            hint="pull it once online first")
         with self.cache.lock(ref.digest):
             # Another process may have fetched it while we waited for the lock.
-            data = self.cache.get(ref.digest, ref.size, into)
+            data = self.cache.get(ref.digest, ref.size, into,
+                                  keep_decoded=self.keep_decoded)
             if data is not None:
                 self._count(0)
                 return data, 0
             stored = self._stored(self.store, ref)
             data = verify_stored(ref, stored, self.store.url, into)
-            self.cache.put_stored(ref.digest, stored)
+            if self.keep_decoded:
+                self.cache.put(ref.digest, data)
+            else:
+                self.cache.put_stored(ref.digest, stored)
         self._count(len(stored))
         return data, len(stored)
 

@@ -140,3 +140,34 @@ def test_every_offline_form_serves_the_cache_alone(cli_env: dict[str, str], tmp_
     assert out.read_bytes() == src.read_bytes()
     r = CliRunner(env=gone).invoke(cli, ["pull", "t/a:v1"])  # online: the catalog is gone
     assert r.exit_code == 7, r.output
+
+
+def test_a_cache_that_keeps_blobs_decoded_still_verifies_every_read(
+        make_registry: RegistryFactory, tmp_path: Path) -> None:
+    from kvgraft.cache import RAW_HEADER
+    from kvgraft.pull import Fetcher
+
+    reg = make_registry()
+    digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=600), "t/a").digest
+    ref = reg.manifest(digest).chunks[0]
+    cache = make_registry(cache_dir=tmp_path / "c2").cache
+    plain = Fetcher(reg.store, cache)
+    data, fetched = plain.get(ref)
+    assert fetched > 0
+    path = cache.blobs._path(ref.digest)
+    assert not path.read_bytes().startswith(RAW_HEADER)  # as the store holds it
+    hot = Fetcher(None, cache, keep_decoded=True)  # offline: only the cache may answer
+    buf = bytearray(ref.size)
+    assert bytes(hot.get(ref, buf)[0]) == bytes(data)
+    assert path.read_bytes().startswith(RAW_HEADER)  # now decoded
+    assert bytes(hot.get(ref, bytearray(ref.size))[0]) == bytes(data)  # straight read
+    # a flipped byte, a truncated entry, a grown entry: each dropped, never returned
+    good = path.read_bytes()
+    for bad in (good[:-1] + bytes([good[-1] ^ 1]), good[:-7], good + b"x"):
+        path.write_bytes(bad)
+        assert cache.get(ref.digest, ref.size, bytearray(ref.size)) is None
+        assert not path.exists()
+    # fetched from the store again, straight into the decoded form
+    data2, fetched = Fetcher(reg.store, cache, keep_decoded=True).get(ref)
+    assert fetched > 0 and bytes(data2) == bytes(data)
+    assert path.read_bytes() == good

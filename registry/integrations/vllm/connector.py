@@ -425,7 +425,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         if registry is None or ident is None or not self._views:
             raise RegistryError("connector disabled")
         t0 = time.perf_counter()
-        fetcher = Fetcher(registry.store, registry.cache)
+        fetcher = Fetcher(registry.store, registry.cache, keep_decoded=True)
         dtype = paged.TORCH_DTYPES[ident.kv_dtype]
         todo = [c for c in spec.plan.chunks
                 if max(c[0], spec.start) < min(c[1], spec.plan.end)]

@@ -54,27 +54,39 @@ class PagedLayer:
     isa: str
     block_size: int
 
-    def key(self, block: int) -> torch.Tensor:
-        """A block's keys as a strided view whose dims, in order, flatten to
-        [kv_heads, block_size, head_dim] (see `_file_view`)."""
+    def _block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) of `block` as strided views; a file's [kv_heads, block_size,
+        head_dim] viewed as their shape (`_as`) pairs with them element for element. AMX
+        keys are moved as int32, a pair of dims at a time (3x faster than bf16 pairs)."""
         heads, dim, bs = self.view.shape[1], self.view.shape[3], self.block_size
-        raw = self.view[block, :, :bs]
+        raw = self.view[block]
         if self.isa == "amx":
-            return raw.view(heads, bs // 16, dim // 2, 16, 2).permute(0, 1, 3, 2, 4)
-        return raw.view(heads, dim, bs).transpose(1, 2)
+            key = raw[:, :bs].view(torch.int32).view(heads, bs // 16, dim // 2, 16)
+            value = raw[:, bs:].view(heads, dim // 16, bs // 2, 16, 2)
+            return key.transpose(2, 3), value.permute(0, 2, 4, 1, 3)
+        return raw[:, :bs].view(heads, dim, bs).transpose(1, 2), raw[:, bs:]
 
-    def value(self, block: int) -> torch.Tensor:
-        heads, dim, bs = self.view.shape[1], self.view.shape[3], self.block_size
-        raw = self.view[block, :, bs:]
+    def _as(self, file_part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        t = file_part.view(torch.int32) if like.dtype == torch.int32 else file_part
+        return t.view(like.shape)  # only splits dims: a view whatever the strides
+
+    def write(self, block: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy a file's [kv_heads, block_size, head_dim] key and value into `block`."""
+        k, v = self._block(block)
+        k.copy_(self._as(key, k))
+        src = self._as(value, v)
         if self.isa == "amx":
-            return raw.view(heads, dim // 16, bs // 2, 16, 2).permute(0, 2, 4, 1, 3)
-        return raw
+            # one copy per token of a pair: runs of 16 elements, not of 2 (1.25x faster)
+            for p in range(2):
+                v[:, :, p].copy_(src[:, :, p])
+        else:
+            v.copy_(src)
 
-
-def _file_view(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """[kv_heads, block_size, head_dim] of a KV file viewed in the shape of a paged block's
-    key or value view (only splits dims, so it is a view whatever the strides)."""
-    return t.view(like.shape)
+    def read(self, block: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Copy `block` into a file's [kv_heads, block_size, head_dim] key and value."""
+        k, v = self._block(block)
+        self._as(key, k).copy_(k)
+        self._as(value, v).copy_(v)
 
 
 def block_view(layer: torch.Tensor, kv_heads: int, block_size: int, head_dim: int,
@@ -92,9 +104,9 @@ def block_view(layer: torch.Tensor, kv_heads: int, block_size: int, head_dim: in
     view = t.view(t.shape[0], kv_heads, 2 * block_size, -1)
     if view.shape[3] != head_dim:
         raise UsageError(f"paged KV head dim {view.shape[3]} != model head dim {head_dim}")
-    if isa == "amx" and (block_size % 32 or head_dim % 32):
-        raise UsageError(f"AMX layout needs block size and head dim multiples of 32 "
-                         f"(block {block_size}, head dim {head_dim})")
+    if isa == "amx" and (block_size % 32 or head_dim % 32 or view.element_size() != 2):
+        raise UsageError(f"the AMX layout needs a 16-bit KV dtype, block size and head dim "
+                         f"multiples of 32 (block {block_size}, head dim {head_dim})")
     return PagedLayer(view, isa, block_size)
 
 
@@ -104,9 +116,7 @@ def gather(layer: PagedLayer, blocks: Sequence[int]) -> tuple[torch.Tensor, torc
     key = torch.empty(heads, len(blocks) * bs, dim, dtype=layer.view.dtype)
     value = torch.empty_like(key)
     for j, b in enumerate(blocks):
-        k, v = layer.key(b), layer.value(b)
-        _file_view(key[:, j * bs : (j + 1) * bs], k).copy_(k)
-        _file_view(value[:, j * bs : (j + 1) * bs], v).copy_(v)
+        layer.read(b, key[:, j * bs : (j + 1) * bs], value[:, j * bs : (j + 1) * bs])
     return key, value
 
 
@@ -121,9 +131,7 @@ def scatter(layer: PagedLayer, blocks: Sequence[int], key: torch.Tensor,
     if tokens != n * bs or value.shape != key.shape:
         raise UsageError(f"span of {tokens} tokens does not fill {n} blocks")
     for j, b in enumerate(blocks):
-        k, v = layer.key(b), layer.value(b)
-        k.copy_(_file_view(key[:, j * bs : (j + 1) * bs], k))
-        v.copy_(_file_view(value[:, j * bs : (j + 1) * bs], v))
+        layer.write(b, key[:, j * bs : (j + 1) * bs], value[:, j * bs : (j + 1) * bs])
 
 
 def tensor_from(buf: Any, offset: int, shape: tuple[int, ...], dtype: torch.dtype,

@@ -146,8 +146,9 @@ def plan_restore(manifest: Manifest, end: int, covered: int, cross: bool) -> Res
 
 
 def prefetch(registry: Registry, plan: RestorePlan) -> int:
-    """Bring the plan's chunks into the machine cache, each verified; bytes fetched."""
-    fetcher = Fetcher(registry.store, registry.cache)
+    """Bring the plan's chunks into the machine cache, each verified, kept decoded (a
+    restore then only hashes them); bytes fetched."""
+    fetcher = Fetcher(registry.store, registry.cache, keep_decoded=True)
     fetched = 0
     for _, _, digest, size in plan.chunks:
         d = Digest.parse(digest)
