@@ -2,7 +2,7 @@
 
 Rows are printed as they come and written to .bench/results.json.
     python -m benchmarks.run [--size-mib 1024]
-        [--only startup,core,s3,s3link,codec,graft,server,vllm]
+        [--only startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ WORKDIR = Path(".bench")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
-    parser.add_argument("--only", default="startup,core,s3,s3link,codec,graft,server,vllm")
+    parser.add_argument("--only",
+                        default="startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes")
     args = parser.parse_args()
     wanted = set(args.only.split(","))
     rows: list[dict[str, Any]] = []
@@ -63,6 +64,10 @@ def main() -> None:
         from benchmarks import vllm
 
         vllm.run(report)
+    if "vllm-passes" in wanted:
+        from benchmarks import vllm_passes
+
+        vllm_passes.run(report, WORKDIR)
     result = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"cpus": __import__("os").cpu_count(),
                           "python": platform.python_version()},

@@ -3,7 +3,7 @@ graft restored by the kvgraft connector, against vLLM's own ExampleConnector res
 same prompt in the same run, and the restore throughput next to the speed of reading the
 same chunks from the machine cache.
 
-Three engine processes, one after the other (never two at once: they share the cores):
+Four engine processes, one after the other (never two at once: they share the cores):
   publisher: computes each prompt cold (TTFT = generate with max_tokens=1) and publishes
              it; then the same prompt again, its prefix from vLLM's own in-memory prefix
              cache ("prefix_hit_s": the question's prefill plus vLLM's per-request work,
@@ -11,20 +11,24 @@ Three engine processes, one after the other (never two at once: they share the c
   restorer:  another process with its own machine cache (the catalog and store shared with
              the publisher: SQLite + a local directory) and vLLM's prefix cache off, so
              every request restores from kvgraft: the first request of a prompt fetches
-             the chunks from the store (verified) into the cache, the next ones read them
-             from the machine cache (verified again on read);
+             the chunks from the store (verified) into the cache and the worker's memory
+             tier, the next ones copy them from memory;
+  restorer without the memory tier (memory_cache_mb 0): the next requests read the
+             chunks from the machine cache (verified again on every read);
   example:   vLLM's ExampleConnector (shared_storage_path on local disk, prefix cache off):
              the first request computes and saves, the next ones load it from disk (it
              checks no identity and verifies nothing: the anchor, not a competitor).
 Rows: {"bench": "vllm", "tokens": N, "cold_s", "prefix_hit_s", "restored_first_s",
-"restored_s" (median of 5, machine cache; "restored_all_s" every one), "example_s" (median
-of 5), "ratio",
-"breakdown" (medians of the restorer's own timings of those 5 requests: lookup, policy,
-fetch into the cache, restore into the blocks and the part of it spent waiting for verified
-chunks, and "rest" = restored_s minus those: the question's prefill and vLLM's per-request
-work), "restored_tokens", "restore_mb", "restore_mb_s" (KV written into vLLM's blocks per
-second, worker side), "cache_read_mb_s" (decode + verify of the same chunks from the machine
-cache, this process), "load" (the 1-minute load average before each engine ran)}.
+"restored_s" (median of 5, memory tier; "restored_all_s" every one),
+"restored_machine_cache_s" (median of 5, no memory tier), "example_s" (median of 5),
+"ratio" (restored_s / cold_s), "breakdown" and "machine_cache_breakdown" (medians of each
+restorer's own timings of those 5 requests: lookup, policy, fetch into the cache, restore
+into the blocks and the thread-seconds of it spent reading and verifying chunks (two
+threads), and "rest" = restored_s minus those: the question's prefill and vLLM's
+per-request work), "restored_tokens", "restore_mb", "restore_mb_s" (KV written into
+vLLM's blocks per second, worker side), "cache_read_mb_s" (read + verify of the same
+chunks from the machine cache, this process, one thread), "load" (the 1-minute load
+average before each engine ran)}.
 
 Prompts: N document tokens of data/lighthouse.txt, then a short question (new tokens).
 
@@ -57,7 +61,7 @@ EXAMPLE_MAX_TOKENS = 4096
 _LOOKUP = re.compile(r"kvgraft: request \S+ restores \d+ of (\d+) prompt tokens .*\(lookup "
                      r"([\d.]+) s, policy ([\d.]+) s, fetch ([\d.]+) s")
 _RESTORED = re.compile(r"kvgraft: restored \d+ tokens of \S+ into \d+ blocks \([\d.]+ MB in "
-                       r"([\d.]+) s: ([\d.]+) s waiting")
+                       r"([\d.]+) s; ([\d.]+) thread-s reading")
 
 
 def _env(shared: Path, node: Path) -> dict[str, str]:
@@ -82,7 +86,8 @@ def node(spec: dict[str, Any]) -> dict[str, Any]:
         ktc = KVTransferConfig(kv_connector="KvgraftConnector",
                                kv_connector_module_path="kvgraft.integrations.vllm",
                                kv_role="kv_both",
-                               kv_connector_extra_config={"repository": REPO})
+                               kv_connector_extra_config={"repository": REPO,
+                                                          **spec.get("extra", {})})
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
               max_model_len=8192, enforce_eager=True, kv_transfer_config=ktc, max_num_seqs=1,
               enable_prefix_caching=spec["prefix_caching"], seed=0)
@@ -109,14 +114,15 @@ def node(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _run_node(spec: dict[str, Any], log: Path) -> dict[str, Any]:
     spec["load"] = round(os.getloadavg()[0], 2)
+    out = log.with_suffix(".json")
+    spec["out"] = str(out)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.vllm", "--node", json.dumps(spec)],
                           capture_output=True, text=True, timeout=3600)
     # vLLM logs to stdout: the connector's timings (lookup, fetch, restore) are there
     log.write_text(proc.stdout + proc.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVGRAFT-NODE ")]
-    if proc.returncode != 0 or not lines:
+    if proc.returncode != 0 or not out.exists():
         raise RuntimeError(f"vLLM node failed:\n{proc.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(lines[-1].split(" ", 1)[1])
+    result: dict[str, Any] = json.loads(out.read_text())
     result["load"] = spec["load"]
     return result
 
@@ -146,7 +152,7 @@ def _breakdown(log: Path, tokens: int, last: int) -> dict[str, float]:
 
     return {"lookup_s": med([x[0] for x in lookups]), "policy_s": med([x[1] for x in lookups]),
             "fetch_s": med([x[2] for x in lookups]), "restore_s": med([x[0] for x in restores]),
-            "restore_waiting_s": med([x[1] for x in restores])}
+            "restore_verify_thread_s": med([x[1] for x in restores])}
 
 
 def _cache_read_mb_s(env: dict[str, str], ids: list[int]) -> float:
@@ -217,6 +223,11 @@ def run(report: Callable[[dict[str, Any]], None], *, workdir: Path = Path(".benc
     renv = _env(shared, shared / "restorer")
     res = _run_node({"model": str(model), "env": renv, "prompts": prompts, "repeat": REPEAT,
                      "prefix_caching": False}, shared / "restorer.log")
+    # the same without the worker's memory tier: every restore reads the machine cache
+    denv = _env(shared, shared / "restorer-disk")
+    disk = _run_node({"model": str(model), "env": denv, "prompts": prompts, "repeat": REPEAT,
+                      "prefix_caching": False, "extra": {"memory_cache_mb": 0}},
+                     shared / "restorer-disk.log")
     ex = _run_node({"model": str(model), "env": _env(shared, shared / "example"),
                     "prompts": [p for p in prompts if len(p) <= EXAMPLE_MAX_TOKENS],
                     "repeat": REPEAT, "prefix_caching": False,
@@ -234,6 +245,9 @@ def run(report: Callable[[dict[str, Any]], None], *, workdir: Path = Path(".benc
         if parts:
             parts["rest_s"] = round(warm - parts["lookup_s"] - parts["policy_s"]
                                     - parts["fetch_s"] - parts["restore_s"], 4)
+        from_disk = disk[str(len(ids))]
+        disk_parts = _breakdown(shared / "restorer-disk.log", len(ids),
+                                len(from_disk["seconds"]) - 1)
         report({"bench": "vllm", "model": "smollm2-135m-instruct-bf16", "tokens": len(ids),
                 "document_tokens": n,
                 "cold_s": round(cold["seconds"][0], 4),
@@ -246,14 +260,17 @@ def run(report: Callable[[dict[str, Any]], None], *, workdir: Path = Path(".benc
                 "example_cached": anchor["cached"][-1],
                 "ratio": round(warm / cold["seconds"][0], 4),
                 "breakdown": parts,
+                "restored_machine_cache_s": round(statistics.median(from_disk["seconds"][1:]),
+                                                  4),
+                "machine_cache_breakdown": disk_parts,
                 "restored_tokens": got["cached"][-1],
-                "same_token": all(t == cold["tokens"][0]
-                                  for t in got["tokens"] + anchor["tokens"]),
+                "same_token": all(t == cold["tokens"][0] for t in
+                                  got["tokens"] + from_disk["tokens"] + anchor["tokens"]),
                 "restore_mb": None if mb is None else round(mb, 1),
                 "restore_mb_s": None if mb_s is None else round(mb_s, 1),
                 "cache_read_mb_s": round(_cache_read_mb_s(renv, ids), 1),
                 "load": {"publisher": pub["load"], "restorer": res["load"],
-                         "example": ex["load"]}})
+                         "restorer_machine_cache": disk["load"], "example": ex["load"]}})
 
 
 def main() -> None:
@@ -264,7 +281,9 @@ def main() -> None:
     parser.add_argument("--node", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.node:
-        print("KVGRAFT-NODE " + json.dumps(node(json.loads(args.node))), flush=True)
+        spec = json.loads(args.node)
+        # a file, not stdout: vLLM's processes log to the same stdout, mid-line at times
+        Path(spec["out"]).write_text(json.dumps(node(spec)))
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
     run(lambda row: print(json.dumps(row), flush=True), workdir=args.workdir,

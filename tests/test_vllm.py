@@ -189,6 +189,9 @@ def test_node_b_restores_and_matches_two_step_reference(world: dict[str, Any],
     assert [e.detail["tokens"] for e in restores] == [256, 256]
     log = (world["root"] / "b" / "node.log").read_text()
     assert log.count("a recent graft: no catalog query") == 1  # the second Q1
+    # the first restore read the chunk (verified) into the worker's memory, the second
+    # copied it from there: both exact
+    assert "0 of 1 chunks from memory" in log and "1 of 1 chunks from memory" in log
     assert restores[0].detail["engine"]["name"] == "vllm"
 
 
@@ -402,6 +405,23 @@ def test_paged_copies_refuse_unknown_layouts() -> None:
                          48, torch.bfloat16, isa="amx")
 
 
+def test_memory_tier_keeps_the_most_recent_chunks_within_its_bound() -> None:
+    from kvgraft.integrations.vllm.hot import HotChunks
+
+    hot = HotChunks(10)
+    hot.put("a", bytearray(4))
+    hot.put("b", bytearray(4))
+    assert hot.get("a") is not None  # a is now the most recent
+    hot.put("c", bytearray(4))  # over the bound: b, the least recent, goes
+    assert hot.get("b") is None and hot.get("a") is not None and hot.get("c") is not None
+    assert hot.size == 8
+    hot.put("big", bytearray(11))  # larger than the whole tier: not kept, nothing evicted
+    assert hot.get("big") is None and hot.size == 8
+    off = HotChunks(0)
+    off.put("a", bytearray(1))
+    assert off.get("a") is None and (off.hits, off.misses) == (0, 1)
+
+
 def test_settings_refuse_unknown_keys_and_align_chunks(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from kvgraft.config import default_catalog_url
@@ -420,6 +440,10 @@ def test_settings_refuse_unknown_keys_and_align_chunks(tmp_path: Path,
         with pytest.raises(UsageError, match="lookup_timeout"):
             Settings.parse({"lookup_timeout": bad})
     assert Settings.parse({"lookup_timeout": "0.5"}).lookup_timeout == 0.5
+    for bad in (-1, 1.5, "lots", True):
+        with pytest.raises(UsageError, match="memory_cache_mb"):
+            Settings.parse({"memory_cache_mb": bad})
+    assert Settings.parse({"memory_cache_mb": 0}).memory_cache_mb == 0
     s = Settings.parse({"repository": "team/x", "blob_url": "file:///tmp/x"})
     assert s.repository == "team/x" and s.overrides == {"blob_url": "file:///tmp/x"}
     assert aligned_chunk_tokens(256, 128) == 256

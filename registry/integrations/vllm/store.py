@@ -28,9 +28,10 @@ from kvgraft.reference import Reference
 
 log = logging.getLogger("vllm.kvgraft")
 
+DEFAULT_MEMORY_CACHE_MB = 512
 _SETTINGS = ("home", "catalog_url", "blob_url", "cache_dir", "remote", "repository",
              "chunk_tokens", "publish", "restore", "allow_cross_engine", "queue_size",
-             "min_tokens", "lookup_timeout")
+             "min_tokens", "lookup_timeout", "memory_cache_mb")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +49,8 @@ class Settings:
     min_tokens: int = 0  # shorter prompts are neither looked up nor published
     # seconds a request waits for its lookup and first fetch before computing its prefill
     lookup_timeout: float = 5.0
+    # verified chunks the worker keeps in memory for the next restore (0: none)
+    memory_cache_mb: int = DEFAULT_MEMORY_CACHE_MB
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> Settings:
@@ -64,11 +67,15 @@ class Settings:
         if not timeout > 0:  # NaN too
             raise UsageError(f"lookup_timeout must be a positive number of seconds, "
                              f"not {extra['lookup_timeout']!r}")
+        memory = extra.get("memory_cache_mb", DEFAULT_MEMORY_CACHE_MB)
+        if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
+            raise UsageError(f"memory_cache_mb must be a whole number of MiB, 0 or more, "
+                             f"not {memory!r}")
         return cls(overrides, extra.get("remote"), extra.get("repository"),
                    int(extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)), extra.get("publish"),
                    extra.get("restore"), bool(extra.get("allow_cross_engine", False)),
                    int(extra.get("queue_size", 8)), int(extra.get("min_tokens", 0)),
-                   timeout)
+                   timeout, memory)
 
     def open(self) -> Registry:
         from kvgraft.config import Config
