@@ -77,9 +77,10 @@ LOAD_THREADS = 2  # threads of a restore, each reading, verifying and copying wh
 
 def _unpin() -> None:
     """Let a restore thread run on every core this process may use. vLLM's CPU worker pins
-    its thread to the first core of its OpenMP set and new threads inherit that, so both
-    restore threads shared one core (measured: 2.5x slower). The restore runs before the
-    forward, while the other cores' OpenMP threads wait."""
+    its thread to one core of its OpenMP set and new threads inherit that, so both restore
+    threads would share one core while the OpenMP threads on the others wait for the
+    forward. (On 2 cores vLLM keeps the second for its engine process, whose busy-wait
+    holds it while the worker runs: measured no faster there.)"""
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
 LOOKUP_THREADS = 2  # concurrent lookups; more requests queue behind them
