@@ -9,28 +9,22 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sqlalchemy import select
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from kvgraft import ocigraft
 from kvgraft.catalog.models import ModelRow
-from kvgraft.errors import RegistryError, UsageError
+from kvgraft.errors import UsageError
 from kvgraft.identity import ModelIdentity
 from kvgraft.reference import Reference
 from kvgraft.server import content
 from kvgraft.server.context import Context
 from kvgraft.server.errors import OciError
-from kvgraft.server.remotecommon import principal_of, require
+from kvgraft.server.remotecommon import endpoint_of, principal_of, require
 
 PREFIX = "/kvgraft/v1"
 MAX_BODY = 16 << 20
-
-
-def _ctx(request: Request) -> Context:
-    ctx: Context = request.app.state.ctx
-    return ctx
 
 
 def _ref(request: Request) -> Reference:
@@ -44,16 +38,7 @@ def _ref(request: Request) -> Reference:
 
 
 def _guarded(fn: Callable[[Request, Context], Any]) -> Callable[[Request], Any]:
-    async def endpoint(request: Request) -> Response:
-        ctx = _ctx(request)
-        try:
-            body = await run_in_threadpool(fn, request, ctx)
-        except OciError as e:
-            return e.response()
-        except RegistryError as e:
-            return ctx.registry_error(request, e).response()
-        return body if isinstance(body, Response) else JSONResponse(body)
-    return endpoint
+    return endpoint_of(lambda request, ctx, _: fn(request, ctx))
 
 
 def resolve(request: Request, ctx: Context) -> dict[str, Any]:
