@@ -11,6 +11,7 @@ rows give medians (every round's seconds too), and CPU seconds per GB of KV file
 server (benchmarks.s3).
 
     python -m benchmarks.s3link [--size-mib 1024] [--rate 1gbit] [--rounds 3]
+                                [--payload-signing auto|on|off]
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def shape(port: int, rate: str) -> None:
         subprocess.run([*tc, *step], check=True, capture_output=True)
 
 
-def inside(workdir: Path, kv_file: Path, rate: str, rounds: int,
+def inside(workdir: Path, kv_file: Path, rate: str, rounds: int, signing: str,
            report: Callable[[dict[str, Any]], None]) -> None:
     """The measurement, run inside the namespace."""
     from tests.services import start_seaweedfs
@@ -71,8 +72,8 @@ def inside(workdir: Path, kv_file: Path, rate: str, rounds: int,
 
         def our_push(r: int) -> Result:
             nonlocal stored
-            result = child(env, pgid, "kvgraft-push", str(kv_file), str(home[r]),
-                           f"{PREFIX}{r}")
+            result = child(env | {"KVGRAFT_S3_PAYLOAD_SIGNING": signing}, pgid,
+                           "kvgraft-push", str(kv_file), str(home[r]), f"{PREFIX}{r}")
             if result[0]["blobs_stored"] == 0:
                 raise RuntimeError("a benchmark push round stored nothing: not measured")
             stored = result[0]["stored"]
@@ -100,6 +101,7 @@ def inside(workdir: Path, kv_file: Path, rate: str, rounds: int,
     for row in cpu_columns(ratio_rows(f"s3 {rate} link", size, measured, {
             "link": f"{rate} on the S3 port only", "stored_MB": round(stored / 1e6, 1),
             "compression": round(size / stored, 3), "rounds": rounds,
+            "kvgraft_payload_signing": signing,
             "baseline": "boto3 upload_file/download_file of the raw KV file + SHA-256"}),
             size, measured):
         report(row)
@@ -107,7 +109,7 @@ def inside(workdir: Path, kv_file: Path, rate: str, rounds: int,
 
 
 def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None],
-        rate: str = "1gbit", rounds: int = 3) -> None:
+        rate: str = "1gbit", rounds: int = 3, signing: str = "auto") -> None:
     name = f"kvgraft-bench-{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True,
                           check=False) if shutil.which("ip") else None
@@ -119,7 +121,7 @@ def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None],
     try:
         proc = subprocess.run(["ip", "netns", "exec", name, sys.executable, "-m",
                                "benchmarks.s3link", "--inside", str(workdir), str(kv_file),
-                               rate, str(rounds)], stdout=subprocess.PIPE, text=True,
+                               rate, str(rounds), signing], stdout=subprocess.PIPE, text=True,
                               check=False)
         for line in proc.stdout.splitlines():
             report(json.loads(line))
@@ -133,8 +135,9 @@ def main() -> None:
     def emit(row: dict[str, Any]) -> None:
         print(json.dumps(row), flush=True)
 
-    if len(sys.argv) == 6 and sys.argv[1] == "--inside":
-        inside(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]), emit)
+    if len(sys.argv) == 7 and sys.argv[1] == "--inside":
+        inside(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]),
+               sys.argv[6], emit)
         return
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,12 +145,15 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path(".bench"))
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--payload-signing", choices=("auto", "on", "off"), default="auto",
+                        help="KVGRAFT_S3_PAYLOAD_SIGNING for kvgraft's pushes (off: "
+                             "SeaweedFS checks the CRC32 instead)")
     args = parser.parse_args()
     from benchmarks.core import kv_file
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     run(args.workdir.absolute(), kv_file(args.workdir, args.size_mib).absolute(), emit,
-        args.rate, args.rounds)
+        args.rate, args.rounds, args.payload_signing)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,41 @@ def test_the_server_rejects_an_upload_corrupted_in_transit(any_s3_store_url: str
         assert headers["x-amz-checksum-crc32"] == base64.b64encode(crc).decode()
 
 
+def test_payload_signing_off_leaves_seaweedfs_its_crc32_check(
+        s3_store_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVGRAFT_S3_PAYLOAD_SIGNING=off skips the SHA-256 of every body over http; SeaweedFS
+    still refuses a body damaged in transit, by botocore's CRC32 (Ceph RGW would not: it
+    checks only the signed payload hash, hence the default)."""
+    monkeypatch.setenv("KVGRAFT_S3_PAYLOAD_SIGNING", "off")
+    settings = S3Settings.from_env()
+    assert settings.payload_signing is False
+    bucket, prefix = split(s3_store_url)
+    store = S3BlobStore(bucket, prefix, settings=S3Settings(
+        endpoint_url=os.environ.get("AWS_ENDPOINT_URL_S3"), addressing="path",
+        max_attempts=1, payload_signing=False))
+    data = os.urandom(MiB)
+    digest = Digest.of(data)
+    corrupted = _corrupt_bodies_in_transit(store.client)
+    with pytest.raises(Unavailable, match="failed to store blob"):
+        store.put(digest, [data])
+    assert corrupted == ["PutObject"] and store.stat(digest) is None
+    clean = S3BlobStore(bucket, prefix, settings=settings)
+    sent: list[dict[str, str]] = []
+    clean.client.meta.events.register(
+        "before-send.s3.PutObject", lambda request, **_: sent.append(dict(request.headers)))
+    assert clean.put(digest, [data]) and clean.get(digest) == data
+    headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in sent[0].items()}
+    assert headers["x-amz-content-sha256"] == "UNSIGNED-PAYLOAD"
+    assert headers["x-amz-checksum-crc32"] == base64.b64encode(
+        zlib.crc32(data).to_bytes(4, "big")).decode()
+    for name, want in (("auto", None), ("on", True)):
+        monkeypatch.setenv("KVGRAFT_S3_PAYLOAD_SIGNING", name)
+        assert S3Settings.from_env().payload_signing is want
+    monkeypatch.setenv("KVGRAFT_S3_PAYLOAD_SIGNING", "maybe")
+    with pytest.raises(UsageError, match="KVGRAFT_S3_PAYLOAD_SIGNING"):
+        S3Settings.from_env()
+
+
 def test_iter_lists_only_blobs_under_its_prefix(store: S3BlobStore) -> None:
     digest = Digest.of(b"mine")
     store.put(digest, [b"mine"])

@@ -83,6 +83,13 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+def _payload_signing(raw: str) -> bool | None:
+    choices = {"auto": None, "on": True, "off": False}
+    if raw not in choices:
+        raise UsageError(f"KVGRAFT_S3_PAYLOAD_SIGNING must be auto, on or off, got {raw!r}")
+    return choices[raw]
+
+
 @dataclass(frozen=True, slots=True)
 class S3Settings:
     """How the store talks to S3; `from_env` documents each variable."""
@@ -106,6 +113,12 @@ class S3Settings:
     # each GET only repeats that check; uploads keep botocore's checksums (the server
     # verifies them, catching corruption in transit before it is stored for good).
     response_checksum_validation: Literal["when_supported", "when_required"] = "when_required"
+    # SHA-256 of every upload body in its SigV4 signature. None: botocore's choice (signed
+    # over http, not over https where TLS and the CRC32 checksum cover it). False saves a
+    # SHA-256 of every byte sent over http, and is safe only with a server that checks
+    # x-amz-checksum-crc32 (SeaweedFS, AWS, MinIO); Ceph RGW ignores that header and checks
+    # only the signed payload hash (docs/deploy.md).
+    payload_signing: bool | None = None
 
     def __post_init__(self) -> None:
         if self.addressing not in _ADDRESSING:
@@ -134,7 +147,9 @@ class S3Settings:
         AWS_MAX_ATTEMPTS / AWS_RETRY_MODE (botocore's names), KVGRAFT_S3_CONNECT_TIMEOUT /
         KVGRAFT_S3_READ_TIMEOUT (seconds), KVGRAFT_S3_MULTIPART_MIB,
         KVGRAFT_S3_PART_MIB, KVGRAFT_S3_CONCURRENCY, AWS_RESPONSE_CHECKSUM_VALIDATION,
-        KVGRAFT_S3_PUBLIC_ENDPOINT_URL (the endpoint presigned URLs name)."""
+        KVGRAFT_S3_PUBLIC_ENDPOINT_URL (the endpoint presigned URLs name),
+        KVGRAFT_S3_PAYLOAD_SIGNING=auto|on|off (SHA-256 of upload bodies in the signature;
+        auto: botocore's choice)."""
         env = os.environ if env is None else env
         endpoint = env.get("KVGRAFT_S3_ENDPOINT_URL") or None
         custom = bool(endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
@@ -155,11 +170,14 @@ class S3Settings:
             response_checksum_validation=cast(
                 Literal["when_supported", "when_required"],
                 env.get("AWS_RESPONSE_CHECKSUM_VALIDATION") or "when_required"),
+            payload_signing=_payload_signing(env.get("KVGRAFT_S3_PAYLOAD_SIGNING") or "auto"),
         )
 
     def botocore_config(self) -> botocore.config.Config:
         return botocore.config.Config(
-            s3={"addressing_style": self.addressing},
+            s3=({"addressing_style": self.addressing} if self.payload_signing is None else
+                {"addressing_style": self.addressing,
+                 "payload_signing_enabled": self.payload_signing}),
             retries={"mode": self.retry_mode, "total_max_attempts": self.max_attempts},
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
