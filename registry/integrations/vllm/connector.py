@@ -73,6 +73,8 @@ log = logging.getLogger("vllm.kvgraft")
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 CLOSE_TIMEOUT = 120.0  # seconds shutdown waits for queued publishes
 LOAD_THREADS = 2  # threads of a restore, each reading, verifying and copying whole chunks
+LOOKUP_THREADS = 2  # concurrent lookups; more requests queue behind them
+RECENT_GRAFTS = 16  # grafts remembered for prompts that repeat a prefix (no catalog query)
 
 
 def _unpin() -> None:
@@ -83,8 +85,6 @@ def _unpin() -> None:
     holds it while the worker runs: measured no faster there.)"""
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
-LOOKUP_THREADS = 2  # concurrent lookups; more requests queue behind them
-RECENT_GRAFTS = 16  # grafts remembered for prompts that repeat a prefix (no catalog query)
 
 
 class LookupTimedOut(TimeoutError):
@@ -493,8 +493,7 @@ class KvgraftConnector(KVConnectorBase_V1):
                 free.put(buf)
 
         # Each chunk is read, verified and copied by one of two threads: SHA-256 and
-        # torch's copies release the GIL, and chunks fill disjoint blocks. (Verifying on two
-        # threads while a third copied left the copies short of a core.)
+        # torch's copies release the GIL, and chunks fill disjoint blocks.
         with ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvgraft-load",
                                 initializer=_unpin) as pool:
             done = list(pool.map(load, range(len(todo))))
