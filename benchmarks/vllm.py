@@ -156,7 +156,8 @@ def _breakdown(log: Path, tokens: int, last: int) -> dict[str, float]:
 
 
 def _cache_read_mb_s(env: dict[str, str], ids: list[int]) -> float:
-    """Decode + verify the chunks of the graft of `ids` from the restorer's machine cache."""
+    """Read + verify the chunks of the graft of `ids` from the restorer's machine cache (the
+    connector keeps them decoded there)."""
     import struct
 
     from kvgraft.client import Registry

@@ -99,16 +99,21 @@ def ceph_store_url(monkeypatch: pytest.MonkeyPatch) -> str:
     return f"s3://{TEST_BUCKET}/{uuid.uuid4().hex}"
 
 
-@pytest.fixture
-def s3_store_url() -> str:
-    """A fresh prefix in a bucket of a real S3 server on loopback (tests/services.py)."""
+def s3_base_url() -> str:
+    """The bucket URL of the real S3 server on loopback (tests/services.py), started once."""
     from tests.services import ensure_s3
 
     base = ensure_s3()
     if base is None:
         unavailable("an S3 server on loopback")
     assert base is not None
-    return f"{base}/{uuid.uuid4().hex}"
+    return base
+
+
+@pytest.fixture
+def s3_store_url() -> str:
+    """A fresh prefix in a bucket of a real S3 server on loopback."""
+    return f"{s3_base_url()}/{uuid.uuid4().hex}"
 
 
 RegistryFactory = Callable[..., Registry]

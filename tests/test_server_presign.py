@@ -30,7 +30,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, Unavailable, UsageError
 from kvgraft.httpremote import HttpRemote
 from kvgraft.reference import Reference
-from tests.conftest import unavailable
+from tests.conftest import s3_base_url, unavailable
 from tests.server import Server, kvgraft, make_token, running_server, server_env
 from tests.synthetic import write_synthetic
 
@@ -118,13 +118,7 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def s3_base() -> str:
-    from tests.services import ensure_s3
-
-    base = ensure_s3()
-    if base is None:
-        unavailable("an S3 server on loopback")
-    assert base is not None
-    return base
+    return s3_base_url()
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,8 @@ class PagedLayer:
             return key.transpose(2, 3), value.permute(0, 2, 4, 1, 3)
         return raw[:, :bs].view(heads, dim, bs).transpose(1, 2), raw[:, bs:]
 
-    def _as(self, file_part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _as(file_part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         t = file_part.view(torch.int32) if like.dtype == torch.int32 else file_part
         return t.view(like.shape)  # only splits dims: a view whatever the strides
 
