@@ -350,7 +350,7 @@ class Registry:
         return OpenedArtifact(reference, digest, manifest, fetcher)
 
     def pull(self, ref: Reference | str, output: Path | None = None, *,
-             progress: Progress | None = None, workers: int = 2,
+             progress: Progress | None = None, workers: int | None = None,
              require_signed_by: Sequence[str] = (),
              require_verified: bool | ModelIdentity = False) -> PullResult:
         """`require_signed_by` (keyids or key names, any one) and `require_verified` (True:

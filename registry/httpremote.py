@@ -182,7 +182,7 @@ class HttpRemote:
         return HttpStore(self, repository)
 
     def pull(self, ref: Reference | str, cache: Cache, output: Path | None = None, *,
-             workers: int = 2, progress: Progress | None = None,
+             workers: int | None = None, progress: Progress | None = None,
              ) -> tuple[Digest, FetchStats]:
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
         digest = ref.digest or self.resolve(ref)

@@ -96,12 +96,21 @@ class _Uploader:
         self.store = store
         self.select = select  # the codec for each blob: the catalog row names the one used
         self.repaired: list[BlobRecord] = []
+        # A graft's chunks are prefix-closed: each one's KV depends on every token before
+        # it, so once one chunk is new to the store the later ones are too. Looking for
+        # each of them would only cost a request (a round trip on an encoding thread) per
+        # chunk; one that is there after all is refused by the store's create-only put and
+        # then read back and checked, as any present blob is.
+        self.looking = True
 
     def prepare(self, digest: Digest, data: Buffer) -> Callable[[], tuple[BlobRecord, bool]]:
-        """The CPU half of `put`: look for the blob and encode it if missing; returns the
-        network half, to run on another thread (it may still refer to `data`)."""
-        if self.store.exists(digest):
-            return lambda: self.put(digest, data)
+        """The CPU half of `put`: look for the blob (until one is missing) and encode it if
+        missing; returns the network half, to run on another thread (it may still refer to
+        `data`)."""
+        if self.looking:
+            if self.store.exists(digest):
+                return lambda: self.put(digest, data)
+            self.looking = False
         size = memoryview(data).nbytes
         codec = self.select(data)
         parts = frame(codec, data)

@@ -61,6 +61,38 @@ def test_second_push_stores_nothing(make_registry: RegistryFactory,
     assert first.blobs_stored == 5 and again.blobs_stored == 0 and again.bytes_stored == 0
 
 
+def _count_looks(monkeypatch: pytest.MonkeyPatch) -> list[Digest]:
+    looked: list[Digest] = []
+    real = LocalBlobStore.exists
+
+    def exists(self: LocalBlobStore, digest: Digest) -> bool:
+        looked.append(digest)
+        return real(self, digest)
+
+    monkeypatch.setattr(LocalBlobStore, "exists", exists)
+    return looked
+
+
+def test_push_stops_looking_for_chunks_after_the_first_new_one(
+        make_registry: RegistryFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = write_synthetic(tmp_path / "a.kv", tokens=1000)  # 4 chunks
+    reg = make_registry()
+    looked = _count_looks(monkeypatch)
+    first = reg.push(src, "t/a:1", options=PushOptions(workers=1))
+    chunks = reg.manifest(first.digest).chunks
+    # Chunk 0 is new (chunk 1 may be looked for meanwhile, on the second thread): the later
+    # ones are sent without a look.
+    assert first.blobs_stored == 6
+    assert not {chunks[2].digest, chunks[3].digest} & set(looked)
+
+    # Chunk 2 is lost: a re-push finds 0 and 1, misses 2 and sends 3 without looking
+    # first; 3, present after all, is refused by the create-only put, read back and kept.
+    assert reg.store.delete(chunks[2].digest)
+    again = reg.push(src, "t/a:2", options=PushOptions(workers=1))
+    assert again.blobs_stored == 1 and again.bytes_stored > 0
+    assert all(r.ok for r in reg.verify("t/a:2"))
+
+
 def test_digest_is_independent_of_codec_level(make_registry: RegistryFactory,
                                               tmp_path: Path) -> None:
     src = write_synthetic(tmp_path / "a.kv", tokens=300)
