@@ -131,7 +131,7 @@ def origin(events: list[EventRecord]) -> Origin | None:
 
 
 def audit(catalog: Catalog, store: BlobStore, digest: Digest,
-          trusted: Mapping[str, PublicKey], *, workers: int = 2) -> AuditReport:
+          trusted: Mapping[str, PublicKey], *, workers: int | None = None) -> AuditReport:
     record = catalog.artifact(digest)
     failures: list[str] = []
     manifest, manifest_problem = _manifest(catalog, digest)

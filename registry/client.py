@@ -436,7 +436,7 @@ class Registry:
             "prefix": str(c.prefix)} for c in manifest.chunks)
         return Inspection(record, manifest, chunks)
 
-    def verify(self, ref: Reference | str | None = None, *, workers: int = 2,
+    def verify(self, ref: Reference | str | None = None, *, workers: int | None = None,
                ) -> tuple[VerifyReport, ...]:
         from kvgraft.verify import VerifyReport, verify_artifact
 
@@ -578,7 +578,7 @@ class Registry:
             "statement_digest": str(statement.digest)})
         return self.catalog.add_attestation(att, event)
 
-    def audit(self, ref: Reference | str, *, workers: int = 2) -> AuditReport:
+    def audit(self, ref: Reference | str, *, workers: int | None = None) -> AuditReport:
         from kvgraft.audit import audit
 
         digest = self.resolve(ref)

@@ -12,7 +12,7 @@ from kvgraft.codec import max_stored_size
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound
 from kvgraft.manifest import BlobRef, Manifest
-from kvgraft.pull import verify_stored
+from kvgraft.pull import transfer_workers, verify_stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +54,11 @@ def _check(store: BlobStore, ref: BlobRef, record: BlobRecord | None) -> BadBlob
 
 
 def verify_artifact(manifest: Manifest, store: BlobStore,
-                    records: Mapping[Digest, BlobRecord], *, workers: int = 2) -> VerifyReport:
+                    records: Mapping[Digest, BlobRecord], *, workers: int | None = None,
+                    ) -> VerifyReport:
     refs = manifest.blobs()
-    with ThreadPoolExecutor(workers, thread_name_prefix="kvgraft-verify") as pool:
+    with ThreadPoolExecutor(workers or transfer_workers(),
+                            thread_name_prefix="kvgraft-verify") as pool:
         results = list(pool.map(lambda r: _check(store, r, records.get(r.digest)), refs))
     bad = tuple(b for b in results if b is not None)
     return VerifyReport(manifest.digest, len(refs), sum(r.size for r in refs), bad)
