@@ -16,7 +16,6 @@ import fcntl
 import io
 import os
 import shutil
-import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from urllib.parse import quote, unquote
 
 from kvgraft.blobstore.base import blob_path
 from kvgraft.blobstore.local import LocalBlobStore
-from kvgraft.codec import RawCodec, decode_blob, frame, frame_prefix, max_stored_size
+from kvgraft.codec import RawCodec, decode_blob, frame, frame_header, max_stored_size
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, UsageError
 from kvgraft.fsutil import STALE_TEMP, MiB, atomic_writer, read_bounded, sweep_temp
@@ -36,7 +35,6 @@ from kvgraft.reference import Reference
 MAX_MANIFEST = 64 * MiB  # a manifest of ~200 000 chunks; larger is damage, not data
 MAX_REF = 4096  # a digest and a newline
 REFS = "tags"  # the reference layout (see _ref_path)
-RAW_HEADER = frame_prefix(RawCodec.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +100,7 @@ class Cache:
         except (LookupError, IntegrityError):
             return None
         with f:
-            header = RAW_HEADER + struct.pack("<Q", size)
+            header = frame_header(self._raw.name, size)
             if f.read(len(header)) != header:
                 return None
             view = memoryview(into).cast("B")[:size]

@@ -136,16 +136,15 @@ def get_codec(name: str, level: int | None = None) -> Codec:
     return factory(level)
 
 
-def frame_prefix(codec_name: str) -> bytes:
-    """A frame header up to (not including) its decoded size."""
+def frame_header(codec_name: str, size: int) -> bytes:
+    """The header of a stored blob of `size` decoded bytes in codec `codec_name`."""
     name = codec_name.encode("ascii")
-    return MAGIC + bytes([FRAME_VERSION, len(name)]) + name
+    return MAGIC + bytes([FRAME_VERSION, len(name)]) + name + _SIZE.pack(size)
 
 
 def frame(codec: Codec, data: Buffer) -> list[Buffer]:
     """Encode `data` and return the stored blob as parts (header, body): no extra copy."""
-    header = frame_prefix(codec.name) + _SIZE.pack(memoryview(data).nbytes)
-    return [header, codec.encode(data)]
+    return [frame_header(codec.name, memoryview(data).nbytes), codec.encode(data)]
 
 
 def max_stored_size(size: int) -> int:

@@ -144,22 +144,23 @@ def test_every_offline_form_serves_the_cache_alone(cli_env: dict[str, str], tmp_
 
 def test_a_cache_that_keeps_blobs_decoded_still_verifies_every_read(
         make_registry: RegistryFactory, tmp_path: Path) -> None:
-    from kvgraft.cache import RAW_HEADER
+    from kvgraft.codec import frame_header
     from kvgraft.pull import Fetcher
 
     reg = make_registry()
     digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=600), "t/a").digest
     ref = reg.manifest(digest).chunks[0]
+    raw_header = frame_header("raw", ref.size)
     cache = make_registry(cache_dir=tmp_path / "c2").cache
     plain = Fetcher(reg.store, cache)
     data, fetched = plain.get(ref)
     assert fetched > 0
     path = cache.blobs._path(ref.digest)
-    assert not path.read_bytes().startswith(RAW_HEADER)  # as the store holds it
+    assert not path.read_bytes().startswith(raw_header)  # as the store holds it
     hot = Fetcher(None, cache, keep_decoded=True)  # offline: only the cache may answer
     buf = bytearray(ref.size)
     assert bytes(hot.get(ref, buf)[0]) == bytes(data)
-    assert path.read_bytes().startswith(RAW_HEADER)  # now decoded
+    assert path.read_bytes().startswith(raw_header)  # now decoded
     assert bytes(hot.get(ref, bytearray(ref.size))[0]) == bytes(data)  # straight read
     # a flipped byte, a truncated entry, a grown entry: each dropped, never returned
     good = path.read_bytes()
