@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from kvgraft.bytegroup import entropy_bound
-from kvgraft.chunks import gather, plan_chunks
-from kvgraft.codec import Codec, get_codec
+from kvgraft.codecs.bytegroup import entropy_bound
+from kvgraft.codecs.codec import Codec, get_codec
 from kvgraft.digest import Buffer
-from kvgraft.kvfile import RawTensor, read_layout, write_kvfile
+from kvgraft.formats.chunks import gather, plan_chunks
+from kvgraft.formats.kvfile import RawTensor, read_layout, write_kvfile
 
 SAMPLE = Path(__file__).resolve().parent.parent / "tests" / "data" / "smollm2-bf16.kv"
 DTYPES = ("BF16", "F16", "F32")

@@ -28,7 +28,7 @@ LAYERS, HEADS, DIM = 30, 3, 64
 
 def kv_file(workdir: Path, size_mib: int) -> Path:
     """The benchmark input, written once per size and reused."""
-    from tests.synthetic import write_synthetic
+    from tests.support.synthetic import write_synthetic
 
     path = workdir / f"bench-{size_mib}MiB-bf16.kv"
     if not path.exists():
@@ -119,7 +119,7 @@ def _registry(home: Path, cache: Path) -> Any:
 
 
 def kvgraft_push(src: Path, home: Path) -> dict[str, Any]:
-    from kvgraft.push import PushOptions
+    from kvgraft.transfer.push import PushOptions
 
     reg = _registry(home, home / "cache")
     reg.catalog  # noqa: B018  (open and migrate the catalog outside the timed region)

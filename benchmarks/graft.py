@@ -88,9 +88,9 @@ def match_row(workdir: Path, report: Callable[[dict[str, Any]], None],
     import shutil
 
     from kvgraft.catalog.models import ArtifactChunkRow, ArtifactRow, BlobRow, ModelRow
-    from kvgraft.match import match
-    from kvgraft.push import PushOptions
-    from tests.synthetic import synthetic_identity, write_synthetic
+    from kvgraft.services.match import match
+    from kvgraft.transfer.push import PushOptions
+    from tests.support.synthetic import synthetic_identity, write_synthetic
 
     root = workdir / "match"
     shutil.rmtree(root, ignore_errors=True)

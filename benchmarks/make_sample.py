@@ -17,8 +17,8 @@ import importlib.util
 from pathlib import Path
 from typing import Any
 
-from kvgraft.kvfile import RawTensor, write_kvfile
-from tests.synthetic import synthetic_identity
+from kvgraft.formats.kvfile import RawTensor, write_kvfile
+from tests.support.synthetic import synthetic_identity
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = (

@@ -212,7 +212,7 @@ def cpu_columns(rows: list[dict[str, Any]], size: int,
 
 def run(workdir: Path, kv_file: Path, report: Callable[[dict[str, Any]], None],
         rounds: int = 3) -> None:
-    from tests.services import start_seaweedfs
+    from tests.support.daemons import start_seaweedfs
 
     scratch = workdir / "s3"
     shutil.rmtree(scratch, ignore_errors=True)

@@ -52,7 +52,7 @@ def shape(port: int, rate: str) -> None:
 def inside(workdir: Path, kv_file: Path, rate: str, rounds: int, signing: str,
            report: Callable[[dict[str, Any]], None]) -> None:
     """The measurement, run inside the namespace."""
-    from tests.services import start_seaweedfs
+    from tests.support.daemons import start_seaweedfs
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     scratch = workdir / "s3link"

@@ -51,7 +51,7 @@ def _kvgraft(env: dict[str, str], *args: str) -> str:
 
 def _direct(env: dict[str, str], layers: list[dict[str, Any]]) -> float:
     from kvgraft.client import Registry
-    from kvgraft.codec import decode_blob
+    from kvgraft.codecs.codec import decode_blob
     from kvgraft.config import Config
     from kvgraft.digest import Digest
 
@@ -157,8 +157,8 @@ PULL_THREADS = 2
 
 def _pull_blobs(store: Any, refs: list[Any]) -> float:
     """Seconds to fetch every blob of `refs` from `store` and check each (decoded, hashed)."""
-    from kvgraft.codec import max_stored_size
-    from kvgraft.pull import verify_stored
+    from kvgraft.codecs.codec import max_stored_size
+    from kvgraft.transfer.pull import verify_stored
 
     def one(ref: Any) -> None:
         verify_stored(ref, store.get(ref.digest, max_stored_size(ref.size)), store.url)
@@ -195,10 +195,10 @@ def run_s3(workdir: Path, kv: Path, report: Callable[[dict[str, Any]], None],
     """Rows `server pull s3 (proxied)` and `server pull s3 (redirect)`, each against the
     direct S3 pull of the same graft in the same rounds."""
     from kvgraft.blobstore.s3 import S3BlobStore
-    from kvgraft.httpremote import HttpRemote
-    from kvgraft.manifest import Manifest
+    from kvgraft.formats.manifest import Manifest
     from kvgraft.reference import Reference
-    from tests.services import start_seaweedfs
+    from kvgraft.remote.http import HttpRemote
+    from tests.support.daemons import start_seaweedfs
 
     scratch = workdir / "server-s3"
     shutil.rmtree(scratch, ignore_errors=True)

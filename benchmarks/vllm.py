@@ -163,8 +163,8 @@ def _cache_read_mb_s(env: dict[str, str], ids: list[int]) -> float:
     from kvgraft.client import Registry
     from kvgraft.config import Config
     from kvgraft.digest import Digest
-    from kvgraft.manifest import BlobRef
-    from kvgraft.pull import Fetcher
+    from kvgraft.formats.manifest import BlobRef
+    from kvgraft.transfer.pull import Fetcher
 
     reg = Registry(Config.from_env(env))
     try:

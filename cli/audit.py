@@ -17,7 +17,7 @@ from kvgraft.fsutil import atomic_writer
 from kvgraft.reference import Reference
 
 if TYPE_CHECKING:
-    from kvgraft.audit import AuditReport
+    from kvgraft.provenance.audit import AuditReport
 
 
 def parse_since(text: str, now: datetime | None = None) -> datetime:

@@ -62,7 +62,7 @@ def _load(reg: Registry, spec: str, dtype: str | None, threads: int | None) -> A
 def _fingerprint_dir(reg: Registry, spec: str, dtype: str | None) -> Any:
     import dataclasses
 
-    from kvgraft.fingerprint import fingerprint_dir
+    from kvgraft.identity.fingerprint import fingerprint_dir
     from kvgraft.integrations.transformers.models import known_name, resolve_model_dir
 
     path = resolve_model_dir(spec, reg.config.cache_dir, dtype.upper() if dtype else None)
@@ -112,7 +112,7 @@ def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None
     import tempfile
 
     from kvgraft.integrations.transformers import capture, chat_tokens
-    from kvgraft.push import PushOptions
+    from kvgraft.transfer.push import PushOptions
 
     reg = current_registry(ctx)
     reference = Reference.parse(ref)
@@ -151,7 +151,7 @@ def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               as_json: bool) -> None:
     """Report whether the graft REF belongs to a model (exit 5 when it does not; exit 4
     when the policy refuses it)."""
-    from kvgraft.compat import compare
+    from kvgraft.identity.compat import compare
 
     reg = current_registry(ctx)
     reference = Reference.parse(ref)
@@ -355,7 +355,7 @@ def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: i
     from transformers import AutoTokenizer
 
     from kvgraft.integrations.transformers.capture import tokenize
-    from kvgraft.match import match
+    from kvgraft.services.match import match
 
     reg = current_registry(ctx)
     fp = _fingerprint_dir(reg, model_spec, dtype)

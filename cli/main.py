@@ -25,11 +25,11 @@ from kvgraft.errors import IntegrityError, UsageError
 if TYPE_CHECKING:
     from kvgraft.reference import Reference
 
-DEFAULT_CODEC = "auto"  # kvgraft.codec.DEFAULT_CODEC, without importing the codecs here
+DEFAULT_CODEC = "auto"  # kvgraft.codecs.codec.DEFAULT_CODEC, without importing the codecs here
 
 
 def _codec_names() -> list[str]:
-    from kvgraft.codec import push_codec_names
+    from kvgraft.codecs.codec import push_codec_names
 
     return push_codec_names()
 
@@ -110,7 +110,7 @@ def cli(ctx: click.Context, home: Path | None, catalog_url: str | None, blob_url
 def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chunk_tokens: int,
          codec: str, level: int | None, parents: tuple[str, ...], as_json: bool) -> None:
     """Push the KV file FILE as REF (name[:tag]); prints the artifact digest."""
-    from kvgraft.push import PushOptions
+    from kvgraft.transfer.push import PushOptions
 
     reg = current_registry(ctx)
     reference = _ref(ref)

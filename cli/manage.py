@@ -10,9 +10,9 @@ import click
 from kvgraft.cli.common import current_registry, json_option, parse_duration
 from kvgraft.cli.output import emit_json, emit_table, err, human_bytes
 from kvgraft.config import Config
+from kvgraft.configfile import Remote, add_remote, load_remotes, remove_remote
 from kvgraft.errors import UsageError
 from kvgraft.reference import Reference
-from kvgraft.remotes import Remote, add_remote, load_remotes, remove_remote
 
 if TYPE_CHECKING:
     from kvgraft.client import Registry
@@ -115,8 +115,8 @@ def copy(ctx: click.Context, src: str, dst: str, token_file: Path | None, userna
 def _copy_oci(reg: Registry, src: str, dst: str, token_file: Path | None, username: str,
               as_json: bool) -> None:
     from kvgraft.fsutil import read_bounded
-    from kvgraft.ocidist import Credentials, OciClient, OciLocation
-    from kvgraft.ocimirror import pull_graft, push_graft
+    from kvgraft.oci.client import Credentials, OciClient, OciLocation
+    from kvgraft.oci.mirror import pull_graft, push_graft
 
     if "://" in src and "://" in dst:
         raise UsageError("one side of the copy is the current registry",

@@ -134,7 +134,7 @@ def token_revoke(ctx: click.Context, name: str) -> None:
 def pull_over_http(reg: Registry, ref: Reference, output: Path | None,
                    signed_by: tuple[str, ...], require_verified: bool, as_json: bool) -> None:
     """`kvgraft pull` through a `kvgraft serve` remote."""
-    from kvgraft.httpremote import HttpRemote
+    from kvgraft.remote.http import HttpRemote
 
     config = reg.config
     assert config.server_url is not None and config.token_file is not None

@@ -16,25 +16,25 @@ from kvgraft.catalog.records import AttestationRecord, BlobRecord
 from kvgraft.config import Config, actor
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound, RegistryError, UsageError
-from kvgraft.identity import ModelIdentity
+from kvgraft.identity.model import ModelIdentity
 from kvgraft.reference import Reference, check_name
 
 # The data path (codecs and numpy, manifest schemas, the stores) is imported by the
 # methods that use it: `kvgraft ls` and the like load only the catalog.
 if TYPE_CHECKING:
-    from kvgraft.audit import AuditReport
     from kvgraft.blobstore import BlobStore
-    from kvgraft.cache import Cache
     from kvgraft.catalog import Catalog
     from kvgraft.catalog.reader import CatalogReader
-    from kvgraft.gc import GcPlan, GcResult
-    from kvgraft.httpremote import HttpRemote
-    from kvgraft.manifest import Manifest
+    from kvgraft.formats.manifest import Manifest
     from kvgraft.provenance import Keyring, Statement
-    from kvgraft.pull import Fetcher, FetchStats, Progress
-    from kvgraft.push import PushOptions
-    from kvgraft.transfer import CopyStats
-    from kvgraft.verify import VerifyReport
+    from kvgraft.provenance.audit import AuditReport
+    from kvgraft.remote.http import HttpRemote
+    from kvgraft.transfer.cache import Cache
+    from kvgraft.transfer.copy import CopyStats
+    from kvgraft.transfer.gc import GcPlan, GcResult
+    from kvgraft.transfer.pull import Fetcher, FetchStats, Progress
+    from kvgraft.transfer.push import PushOptions
+    from kvgraft.transfer.verify import VerifyReport
 
 _LABEL_KEY_MAX = 255
 _MANIFESTS_MAX = 64
@@ -148,7 +148,7 @@ class Registry:
         """The `kvgraft serve` remote this registry reaches through, if it is one."""
         if self.config.server_url is None:
             return None
-        from kvgraft.httpremote import HttpRemote
+        from kvgraft.remote.http import HttpRemote
 
         if self.config.token_file is None:
             raise UsageError(f"remote {self.config.remote!r} names no token file",
@@ -221,7 +221,7 @@ class Registry:
 
     @cached_property
     def cache(self) -> Cache:
-        from kvgraft.cache import Cache
+        from kvgraft.transfer.cache import Cache
 
         return Cache(self.config.cache_dir)
 
@@ -238,7 +238,7 @@ class Registry:
     def push(self, path: str | Path, ref: Reference | str, *,
              labels: Mapping[str, str] | None = None, options: PushOptions | None = None,
              progress: Progress | None = None) -> PushResult:
-        from kvgraft.push import PushOptions, build_artifact
+        from kvgraft.transfer.push import PushOptions, build_artifact
 
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
         if ref.digest is not None:
@@ -310,7 +310,7 @@ class Registry:
         return manifest
 
     def _read_manifest(self, digest: Digest) -> Manifest:
-        from kvgraft.manifest import Manifest
+        from kvgraft.formats.manifest import Manifest
 
         cached = self.cache.get_manifest(digest)
         if cached is not None:
@@ -331,7 +331,7 @@ class Registry:
         """The one way to open an artifact for use: resolve `ref`, read its manifest,
         enforce the policy (`check_policy`), and hand back a fetcher reading its blobs
         through the machine cache. Every path that hands KV to a model goes through here."""
-        from kvgraft.pull import Fetcher
+        from kvgraft.transfer.pull import Fetcher
 
         reference = _as_reference(ref)
         digest = ref if isinstance(ref, Digest) else self.resolve(ref)
@@ -358,7 +358,7 @@ class Registry:
         config.toml; a refused pull raises PolicyRefused (exit 4) and is logged."""
         if output is not None:
             check_output(output)
-        from kvgraft.pull import export, fetch
+        from kvgraft.transfer.pull import export, fetch
 
         opened = self.open(ref, require_signed_by=require_signed_by,
                            require_verified=bool(require_verified),
@@ -384,8 +384,8 @@ class Registry:
              ) -> tuple[Digest, CopyStats]:
         """Copy the artifact `src` names into `dst_registry` as `dst`; only missing blobs
         move. Labels come along; the copy is an event in both catalogs."""
-        from kvgraft.manifest import Manifest
-        from kvgraft.transfer import copy_blobs
+        from kvgraft.formats.manifest import Manifest
+        from kvgraft.transfer.copy import copy_blobs
 
         src = Reference.parse(src) if isinstance(src, str) else src
         dst = Reference.parse(dst) if isinstance(dst, str) else dst
@@ -438,7 +438,7 @@ class Registry:
 
     def verify(self, ref: Reference | str | None = None, *, workers: int | None = None,
                ) -> tuple[VerifyReport, ...]:
-        from kvgraft.verify import VerifyReport, verify_artifact
+        from kvgraft.transfer.verify import VerifyReport, verify_artifact
 
         digests = [self.resolve(ref)] if ref is not None else self.catalog.artifact_digests()
         reports = []
@@ -464,8 +464,7 @@ class Registry:
         """Replace the bad blobs of a failed verification with good bytes from `source`
         (the pushed KV file) or the cache; returns the digests that could not be repaired
         (verify again to see the outcome)."""
-        from kvgraft import repair
-
+        from kvgraft.transfer import repair
         self.direct_only("repairing blobs", "run `kvgraft verify REF --repair` on the "
                          "server's host with a direct remote, or push the file again "
                          "through the server (a push replaces blobs that no longer verify)")
@@ -522,7 +521,7 @@ class Registry:
 
     def _catalog_manifest(self, digest: Digest) -> Manifest:
         """The manifest as the catalog holds it now (no cache): it must hash to `digest`."""
-        from kvgraft.manifest import Manifest
+        from kvgraft.formats.manifest import Manifest
 
         try:
             return Manifest.parse(self.catalog.artifact(digest).manifest, digest)
@@ -534,8 +533,8 @@ class Registry:
                    ) -> tuple[Statement, tuple[AttestationRecord, ...]]:
         """The kvgraft provenance statement of the artifact `ref` names (derived from its
         manifest and first push), and the attestations stored about it."""
-        from kvgraft.audit import origin
         from kvgraft.provenance import Statement, provenance_statement
+        from kvgraft.provenance.audit import origin
 
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
         digest = self.resolve(ref)
@@ -579,7 +578,7 @@ class Registry:
         return self.catalog.add_attestation(att, event)
 
     def audit(self, ref: Reference | str, *, workers: int | None = None) -> AuditReport:
-        from kvgraft.audit import audit
+        from kvgraft.provenance.audit import audit
 
         digest = self.resolve(ref)
         return audit(self.catalog, self._store_of(digest, ref), digest, self.keyring.trusted(),
@@ -587,7 +586,7 @@ class Registry:
 
     def gc_plan(self, *, grace: float | None = None,
                 untagged_older_than: float | None = None) -> GcPlan:
-        from kvgraft.gc import DEFAULT_GRACE, plan
+        from kvgraft.transfer.gc import DEFAULT_GRACE, plan
 
         self.direct_only("gc", "run `kvgraft gc` on the server's host with a direct remote "
                          "(--catalog, --store): it needs the whole catalog and store")
@@ -596,7 +595,7 @@ class Registry:
                     untagged_older_than=untagged_older_than)
 
     def gc(self, gc_plan: GcPlan, *, allow_empty_catalog: bool = False) -> GcResult:
-        from kvgraft.gc import execute
+        from kvgraft.transfer.gc import execute
 
         self.direct_only("gc", "run `kvgraft gc` on the server's host with a direct remote")
         return execute(self.catalog, self.store, gc_plan,
@@ -614,7 +613,7 @@ class Registry:
         fidelity check itself: it is what produces a verification, so require_verified
         does not apply to it (a signature requirement still does). A refusal is
         PolicyRefused (exit 4), recorded as an `action` event with outcome "refused"."""
-        from kvgraft.remotes import load_document
+        from kvgraft.configfile import load_document
 
         if not require_signed_by and not require_verified and \
                 not load_document(self.config.home).get("policy"):
@@ -650,7 +649,7 @@ class Registry:
 
     def _ensure_blobs(self, manifest: Manifest,
                       reupload: Callable[[], Iterable[BlobRecord]]) -> None:
-        from kvgraft.gc import ensure_blobs
+        from kvgraft.transfer.gc import ensure_blobs
 
         if self.http is not None:
             return  # the server checks its own gc history when it commits the push

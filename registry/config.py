@@ -44,7 +44,7 @@ class Config:
         }
         remote = remote or env.get("KVGRAFT_REMOTE") or None
         if remote:
-            from kvgraft.remotes import get_remote
+            from kvgraft.configfile import get_remote
 
             r = get_remote(home, remote)
             if r.url is not None:

@@ -33,7 +33,7 @@ def sha256(path: Path) -> str:
 
 
 def main() -> None:
-    from tests.synthetic import write_synthetic
+    from tests.support.synthetic import write_synthetic
 
     shutil.rmtree(ROOT, ignore_errors=True)
     ROOT.mkdir()

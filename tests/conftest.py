@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 
 from kvgraft.client import Registry
 from kvgraft.config import Config
-from tests.services import ensure_postgres
+from tests.support.daemons import ensure_postgres
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -85,7 +85,7 @@ def any_s3_store_url(request: pytest.FixtureRequest) -> str:
 def ceph_store_url(monkeypatch: pytest.MonkeyPatch) -> str:
     """A fresh prefix in a bucket of Ceph RGW on loopback, started once per session (about
     14 s); the AWS_* variables point at it for the test (and the processes it starts)."""
-    from tests.services import TEST_BUCKET, ensure_ceph
+    from tests.support.daemons import TEST_BUCKET, ensure_ceph
 
     server = ensure_ceph()
     if server is None:
@@ -101,7 +101,7 @@ def ceph_store_url(monkeypatch: pytest.MonkeyPatch) -> str:
 
 def s3_base_url() -> str:
     """The bucket URL of the real S3 server on loopback (tests/services.py), started once."""
-    from tests.services import ensure_s3
+    from tests.support.daemons import ensure_s3
 
     base = ensure_s3()
     if base is None:

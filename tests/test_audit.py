@@ -12,9 +12,9 @@ from kvgraft.blobstore.memory import MemoryBlobStore
 from kvgraft.catalog import Catalog
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
-from kvgraft.push import PushOptions
+from kvgraft.transfer.push import PushOptions
 from tests.conftest import RegistryFactory
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 from tests.test_events import tamper
 
 

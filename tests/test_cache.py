@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from kvgraft.cli.main import cli
 from kvgraft.errors import NotFound
 from tests.conftest import RegistryFactory
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 
 
 def test_offline_pull_serves_the_cache_without_catalog_or_store(
@@ -60,7 +60,7 @@ def test_interrupted_pull_resumes_from_verified_chunks(make_registry: RegistryFa
     # Simulate a pull that died after three blobs: exactly those are in the cache.
     for ref in manifest.blobs()[:3]:
         data = puller.store.get(ref.digest)
-        from kvgraft.pull import verify_stored
+        from kvgraft.transfer.pull import verify_stored
 
         puller.cache.put(ref.digest, verify_stored(ref, data, "test"))
     result = puller.pull("t/a", tmp_path / "o.kv")
@@ -144,8 +144,8 @@ def test_every_offline_form_serves_the_cache_alone(cli_env: dict[str, str], tmp_
 
 def test_a_cache_that_keeps_blobs_decoded_still_verifies_every_read(
         make_registry: RegistryFactory, tmp_path: Path) -> None:
-    from kvgraft.codec import frame_header
-    from kvgraft.pull import Fetcher
+    from kvgraft.codecs.codec import frame_header
+    from kvgraft.transfer.pull import Fetcher
 
     reg = make_registry()
     digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=600), "t/a").digest

@@ -17,10 +17,10 @@ from kvgraft.catalog.records import AttestationRecord, BlobRecord
 from kvgraft.catalog.schema import head_revision
 from kvgraft.digest import Digest
 from kvgraft.errors import CatalogOutdated, NotFound, Unavailable, UsageError
-from kvgraft.manifest import Manifest
-from kvgraft.push import PushOptions, build_artifact
+from kvgraft.formats.manifest import Manifest
 from kvgraft.reference import Reference
-from tests.synthetic import write_synthetic
+from kvgraft.transfer.push import PushOptions, build_artifact
+from tests.support.synthetic import write_synthetic
 
 
 def _event(action: str = "push", **kw: object) -> EventRecord:

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvgraft.cli.main import cli
-from tests.hostile import HOSTILE
-from tests.synthetic import write_synthetic
+from tests.support.hostile import HOSTILE
+from tests.support.synthetic import write_synthetic
 
 
 def run(env: dict[str, str], *args: str,

@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgraft import bytegroup
-from kvgraft.chunks import gather, plan_chunks
-from kvgraft.codec import (
+from kvgraft.codecs import bytegroup
+from kvgraft.codecs.codec import (
     AUTO,
     best_codec_name,
     codec_names,
@@ -24,9 +23,10 @@ from kvgraft.codec import (
     push_codec_names,
 )
 from kvgraft.errors import IntegrityError, UnknownCodec
-from kvgraft.kvfile import read_layout, safetensors_header
+from kvgraft.formats.chunks import gather, plan_chunks
+from kvgraft.formats.kvfile import read_layout, safetensors_header
 from tests.conftest import RegistryFactory
-from tests.synthetic import to_dtype, write_synthetic
+from tests.support.synthetic import to_dtype, write_synthetic
 
 SAMPLE = Path(__file__).parent / "data" / "smollm2-bf16.kv"
 
@@ -207,7 +207,7 @@ def test_push_defaults_to_bytegroup_and_pull_is_byte_exact(make_registry: Regist
 
 def test_codec_choice_keeps_the_artifact_digest(make_registry: RegistryFactory,
                                                 tmp_path: Path) -> None:
-    from kvgraft.push import PushOptions
+    from kvgraft.transfer.push import PushOptions
 
     src = write_synthetic(tmp_path / "a.kv", tokens=300, dtype="F16")
     digests = {make_registry(home=tmp_path / name).push(

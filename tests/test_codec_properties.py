@@ -7,11 +7,11 @@ import hashlib
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgraft.bytegroup import HAVE_LIBZSTD, ByteGroupCodec
-from kvgraft.bytegroup import NAME as BYTEGROUP
-from kvgraft.codec import codec_names, codec_selector, decode_blob, frame, get_codec
+from kvgraft.codecs.bytegroup import HAVE_LIBZSTD, ByteGroupCodec
+from kvgraft.codecs.bytegroup import NAME as BYTEGROUP
+from kvgraft.codecs.codec import codec_names, codec_selector, decode_blob, frame, get_codec
 from kvgraft.errors import IntegrityError
-from kvgraft.kvfile import ITEMSIZE, safetensors_header
+from kvgraft.formats.kvfile import ITEMSIZE, safetensors_header
 
 CODECS = codec_names()
 assert BYTEGROUP in CODECS

@@ -12,7 +12,7 @@ import pytest
 
 from kvgraft.catalog import Catalog
 from kvgraft.reference import Reference
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 
 CLI = "from kvgraft.cli.main import main; main()"
 

@@ -18,13 +18,13 @@ from kvgraft.blobstore import BlobStore, blob_path
 from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.blobstore.memory import MemoryBlobStore
 from kvgraft.client import Registry
-from kvgraft.codec import FRAME_VERSION, MAGIC, RawCodec, frame
+from kvgraft.codecs.codec import FRAME_VERSION, MAGIC, RawCodec, frame
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, InvalidKVFile, NotFound
-from kvgraft.manifest import ChunkRef
+from kvgraft.formats.manifest import ChunkRef
 from tests.conftest import RegistryFactory
-from tests.hostile import CASES, HOSTILE
-from tests.synthetic import write_synthetic
+from tests.support.hostile import CASES, HOSTILE
+from tests.support.synthetic import write_synthetic
 
 CLI = "from kvgraft.cli.main import main; main()"
 

@@ -23,7 +23,7 @@ from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.resources import migrations_dir
 from tests.conftest import RegistryFactory
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 
 
 def tamper(catalog: Catalog, sql: str, **params: Any) -> None:

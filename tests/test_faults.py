@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 
 
 def run(env: dict[str, str], *args: str, timeout: float = 120,
@@ -158,7 +158,7 @@ def test_cache_blob_replaced_by_device_is_fetched_again(
 
 def test_s3_blob_replaced_by_larger_object_is_not_downloaded(s3_store_url: str) -> None:
     from kvgraft.blobstore.s3 import S3BlobStore
-    from kvgraft.codec import RawCodec, frame, max_stored_size
+    from kvgraft.codecs.codec import RawCodec, frame, max_stored_size
     from kvgraft.digest import Digest
     from kvgraft.errors import IntegrityError
 

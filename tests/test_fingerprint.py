@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvgraft import fingerprint as fpmod
-from kvgraft.fingerprint import architecture_digest, kv_config
+from kvgraft.identity import fingerprint as fpmod
+from kvgraft.identity.fingerprint import architecture_digest, kv_config
 
 
 def _cfg(**kw: object) -> SimpleNamespace:
@@ -38,7 +38,7 @@ def test_architecture_covers_kv_fields() -> None:
 
 
 def test_dir_weights_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvgraft.kvfile import RawTensor, safetensors_header
+    from kvgraft.formats.kvfile import RawTensor, safetensors_header
 
     model = tmp_path / "m"
     model.mkdir()
@@ -69,9 +69,9 @@ def test_dir_weights_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 def test_live_model_matches_its_directory(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="needs the [hf] extra (torch)")
     pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
-    from kvgraft.fingerprint import fingerprint, fingerprint_dir
+    from kvgraft.identity.fingerprint import fingerprint, fingerprint_dir
     from kvgraft.integrations.transformers import load_model
-    from tests.models import build
+    from tests.support.tinymodels import build
 
     for kind in ("llama", "gemma2", "gemma3"):
         path = build(tmp_path / kind, kind, dtype="BF16")
@@ -89,7 +89,7 @@ def test_fingerprint_command(tmp_path: Path, cli_env: dict[str, str]) -> None:
     from click.testing import CliRunner
 
     from kvgraft.cli.main import cli
-    from tests.models import build
+    from tests.support.tinymodels import build
 
     path = build(tmp_path / "g", "gemma2")
     r = CliRunner(env=cli_env).invoke(cli, ["fingerprint", "--model", str(path), "--json"])

@@ -20,11 +20,11 @@ from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError
-from kvgraft.gc import GcResult
-from kvgraft.kvfile import write_kvfile
-from kvgraft.push import PushOptions, build_artifact
+from kvgraft.formats.kvfile import write_kvfile
+from kvgraft.transfer.gc import GcResult
+from kvgraft.transfer.push import PushOptions, build_artifact
 from tests.conftest import RegistryFactory
-from tests.synthetic import synthetic_identity, synthetic_layers
+from tests.support.synthetic import synthetic_identity, synthetic_layers
 from tests.test_events import tamper
 
 

@@ -30,7 +30,7 @@ from kvgraft.integrations.transformers import (  # noqa: E402
 )
 from kvgraft.integrations.transformers.capture import prefill  # noqa: E402
 from kvgraft.integrations.transformers.generate import greedy  # noqa: E402
-from tests.models import WINDOW, build  # noqa: E402
+from tests.support.tinymodels import WINDOW, build  # noqa: E402
 
 KINDS = ["llama", "gemma2", "gemma3"]
 DTYPES = ["F32", "BF16"]
@@ -61,7 +61,7 @@ def loaded(registry: Registry, path: Path) -> LoadedModel:
 
 def push_capture(registry: Registry, lm: LoadedModel, tmp: Path, ref: str,
                  ids: list[int] | None = None, chunk_tokens: int = 256) -> Any:
-    from kvgraft.push import PushOptions
+    from kvgraft.transfer.push import PushOptions
 
     kv = capture(lm, tmp / f"{ref.replace('/', '_')}.kv",
                  **({"token_ids": ids} if ids is not None else {"text": TEXT}))

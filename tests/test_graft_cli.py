@@ -18,7 +18,7 @@ from kvgraft.client import Registry  # noqa: E402
 from kvgraft.config import Config  # noqa: E402
 from kvgraft.integrations.transformers import load_model  # noqa: E402
 from kvgraft.integrations.transformers import models as hf_models  # noqa: E402
-from tests.models import build  # noqa: E402
+from tests.support.tinymodels import build  # noqa: E402
 
 TEXT = "Keep the light burning from sunset to sunrise. "
 

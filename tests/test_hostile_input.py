@@ -15,7 +15,7 @@ from kvgraft.catalog import Catalog
 from kvgraft.errors import InvalidKVFile, UsageError
 from kvgraft.strictjson import RejectedJSON, loads
 from tests.conftest import RegistryFactory
-from tests.hostile import HOSTILE
+from tests.support.hostile import HOSTILE
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from kvgraft.blobstore.base import blob_path
-from kvgraft.cache import Cache
 from kvgraft.errors import AuthRefused, IntegrityError, NotFound
-from kvgraft.httpremote import HttpRemote
-from kvgraft.manifest import Manifest
+from kvgraft.formats.manifest import Manifest
 from kvgraft.reference import Reference
-from tests.server import Server, kvgraft, make_token, running_server, server_env
-from tests.synthetic import write_synthetic
+from kvgraft.remote.http import HttpRemote
+from kvgraft.transfer.cache import Cache
+from tests.support.serve import Server, kvgraft, make_token, running_server, server_env
+from tests.support.synthetic import write_synthetic
 
 
 @pytest.fixture(scope="module")

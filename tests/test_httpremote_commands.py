@@ -21,12 +21,12 @@ import requests
 from kvgraft.blobstore.memory import MemoryBlobStore
 from kvgraft.catalog.records import EventRecord, PushRecord
 from kvgraft.errors import AuthRefused, IntegrityError, Unavailable, UsageError
-from kvgraft.httpcatalog import HttpCatalog
-from kvgraft.httpremote import HttpRemote
-from kvgraft.push import PushOptions, build_artifact
 from kvgraft.reference import Reference
-from tests.server import Server, free_port, kvgraft, make_token, running_server, server_env
-from tests.synthetic import write_synthetic
+from kvgraft.remote.catalog import HttpCatalog
+from kvgraft.remote.http import HttpRemote
+from kvgraft.transfer.push import PushOptions, build_artifact
+from tests.support.serve import Server, free_port, kvgraft, make_token, running_server, server_env
+from tests.support.synthetic import write_synthetic
 
 TEAM = "repository:team/*:pull,push,delete"
 
@@ -358,7 +358,7 @@ def test_transfers_cut_mid_way_resume(setup: Setup, tmp_path: Path) -> None:
 def test_capture_graft_and_match_through_the_server(setup: Setup, tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="grafting needs the [hf] extra (torch)")
     pytest.importorskip("transformers", reason="grafting needs the [hf] extra (transformers)")
-    from tests.models import build
+    from tests.support.tinymodels import build
 
     model = str(build(tmp_path / "llama", "llama"))
     text = "Keep the light burning from sunset to sunrise. "

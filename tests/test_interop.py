@@ -19,8 +19,8 @@ import pytest
 import requests
 
 from tests.conftest import unavailable
-from tests.server import Server, free_port, kvgraft, make_token, running_server, server_env
-from tests.synthetic import write_synthetic
+from tests.support.serve import Server, free_port, kvgraft, make_token, running_server, server_env
+from tests.support.synthetic import write_synthetic
 
 TEAM = "team/kv"
 GRAFT_TYPE = "application/vnd.kvgraft.graft.v1"
@@ -321,14 +321,14 @@ def test_copy_over_https_verifies_the_registry_certificate(graft_file: Path,
                                  "oci://host/a:bad tag"])
 def test_bad_oci_urls_are_refused(url: str) -> None:
     from kvgraft.errors import UsageError
-    from kvgraft.ocidist import OciLocation
+    from kvgraft.oci.client import OciLocation
 
     with pytest.raises(UsageError):
         OciLocation.parse(url)
 
 
 def test_oci_urls_choose_the_scheme() -> None:
-    from kvgraft.ocidist import OciLocation
+    from kvgraft.oci.client import OciLocation
 
     loc = OciLocation.parse("oci://r.example:5000/team/kv:v2")
     assert (loc.scheme, loc.netloc, loc.repository, loc.tag) == \

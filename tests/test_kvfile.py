@@ -8,9 +8,9 @@ import pytest
 from safetensors import safe_open
 
 from kvgraft.errors import InvalidKVFile, UsageError
-from kvgraft.kvfile import hash_file, read_layout
-from tests.hostile import CASES, HOSTILE, write_all
-from tests.synthetic import synthetic_identity, write_synthetic
+from kvgraft.formats.kvfile import hash_file, read_layout
+from tests.support.hostile import CASES, HOSTILE, write_all
+from tests.support.synthetic import synthetic_identity, write_synthetic
 
 
 def test_layout_of_sliding_window_file(tmp_path: Path) -> None:

@@ -8,10 +8,10 @@ from sqlalchemy import text
 
 from kvgraft.catalog.lookup import has_prefix_key
 from kvgraft.client import Registry
-from kvgraft.match import match
-from kvgraft.prefix import prefix_keys
-from kvgraft.push import PushOptions
-from tests.synthetic import synthetic_identity, write_synthetic
+from kvgraft.formats.prefix import prefix_keys
+from kvgraft.services.match import match
+from kvgraft.transfer.push import PushOptions
+from tests.support.synthetic import synthetic_identity, write_synthetic
 
 BASE = list(range(1000, 1600))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server import make_token, running_server, server_env
+from tests.support.serve import make_token, running_server, server_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SUITE = Path(os.environ.get("KVGRAFT_OCI_CONFORMANCE",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hostile import HOSTILE
+from tests.support.hostile import HOSTILE
 
 # Neither can be reached: any attempt would fail with exit 7 (or hang), not exit 2.
 NO_CATALOG = "postgresql+psycopg://nobody@127.0.0.1:1/none"

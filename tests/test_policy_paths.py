@@ -22,10 +22,10 @@ from kvgraft.integrations.transformers import (  # noqa: E402
     load_graft,
     load_model,
 )
-from kvgraft.match import match  # noqa: E402
 from kvgraft.provenance import PolicyRefused  # noqa: E402
-from kvgraft.push import PushOptions  # noqa: E402
-from tests.models import build  # noqa: E402
+from kvgraft.services.match import match  # noqa: E402
+from kvgraft.transfer.push import PushOptions  # noqa: E402
+from tests.support.tinymodels import build  # noqa: E402
 
 TEXT = "Keep the light burning from sunset to sunrise, in every weather. "
 REF = "t/doc:v1"

@@ -16,7 +16,7 @@ from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError
-from kvgraft.identity import ModelIdentity
+from kvgraft.identity.model import ModelIdentity
 from kvgraft.provenance import (
     FIDELITY,
     PROVENANCE,
@@ -25,10 +25,10 @@ from kvgraft.provenance import (
     fidelity_statement,
     require_verified,
 )
-from kvgraft.push import PushOptions
 from kvgraft.resources import load_schema, schemas_dir
+from kvgraft.transfer.push import PushOptions
 from tests.conftest import RegistryFactory
-from tests.synthetic import synthetic_identity, write_synthetic
+from tests.support.synthetic import synthetic_identity, write_synthetic
 from tests.test_events import tamper
 
 

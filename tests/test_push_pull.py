@@ -8,13 +8,13 @@ import pytest
 from click.testing import CliRunner
 
 from kvgraft.blobstore.local import LocalBlobStore
-from kvgraft.codec import MAGIC, parse_frame
+from kvgraft.codecs.codec import MAGIC, parse_frame
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound, UsageError
-from kvgraft.manifest import Manifest
-from kvgraft.push import PushOptions
+from kvgraft.formats.manifest import Manifest
+from kvgraft.transfer.push import PushOptions
 from tests.conftest import RegistryFactory
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 
 
 def sha(path: Path) -> str:
@@ -258,8 +258,8 @@ def test_parent_must_exist_and_is_recorded(make_registry: RegistryFactory,
 
 def test_push_reads_the_file_in_bounded_memory(tmp_path: Path) -> None:
     # gather() reads only the chunk's slices: a file far bigger than a chunk stays on disk.
-    from kvgraft.chunks import gather, plan_chunks
-    from kvgraft.kvfile import read_layout
+    from kvgraft.formats.chunks import gather, plan_chunks
+    from kvgraft.formats.kvfile import read_layout
 
     src = write_synthetic(tmp_path / "a.kv", tokens=2048, num_layers=2)
     layout = read_layout(src)
@@ -278,7 +278,7 @@ def test_file_changed_during_push_is_refused(make_registry: RegistryFactory, tmp
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # The file digest and the chunks come from two reads; a write in between must not
     # publish a manifest whose chunks rebuild some other file.
-    import kvgraft.push as push_module
+    import kvgraft.transfer.push as push_module
     from kvgraft.errors import InvalidKVFile
 
     reg = make_registry()
@@ -306,7 +306,7 @@ def test_file_truncated_during_push_is_an_integrity_error(
         make_registry: RegistryFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         cli_env: dict[str, str]) -> None:
     # Cut short after its header was read: the chunk reads come up short.
-    import kvgraft.push as push_module
+    import kvgraft.transfer.push as push_module
     from kvgraft.cli.main import cli
     from kvgraft.errors import InvalidKVFile
 
@@ -334,8 +334,8 @@ def test_identical_chunks_are_fetched_once_and_written_everywhere(
         make_registry: RegistryFactory, tmp_path: Path) -> None:
     # One blob for many chunks: its decode buffer must stay alive until every place of it
     # is written, across batched writes.
-    from kvgraft.kvfile import RawTensor, write_kvfile
-    from tests.synthetic import synthetic_identity
+    from kvgraft.formats.kvfile import RawTensor, write_kvfile
+    from tests.support.synthetic import synthetic_identity
 
     heads, dim, tokens, chunk = 2, 8, 40 * 16, 16
     row = bytes(range(dim)) * 2  # BF16: dim values of 2 bytes, the same for every token
@@ -355,8 +355,8 @@ def test_identical_chunks_are_fetched_once_and_written_everywhere(
 def test_chunk_plans_cover_the_file_exactly_once(tmp_path: Path) -> None:
     import dataclasses
 
-    from kvgraft.chunks import plan_chunks, uncovered
-    from kvgraft.kvfile import read_layout
+    from kvgraft.formats.chunks import plan_chunks, uncovered
+    from kvgraft.formats.kvfile import read_layout
 
     layout = read_layout(write_synthetic(tmp_path / "a.kv", tokens=700, num_layers=3,
                                          window=90, sliding=[0, 2]))
@@ -376,8 +376,8 @@ def test_manifest_plans_check_the_manifest_against_its_header(
     # The one check pull and the transformers loader both make before placing any chunk.
     import dataclasses
 
-    from kvgraft.chunks import manifest_plans, plan_chunks
-    from kvgraft.kvfile import read_layout
+    from kvgraft.formats.chunks import manifest_plans, plan_chunks
+    from kvgraft.formats.kvfile import read_layout
 
     src = write_synthetic(tmp_path / "a.kv", tokens=700, num_layers=3, window=90, sliding=[1])
     reg = make_registry()

@@ -8,9 +8,9 @@ from click.testing import CliRunner
 
 from kvgraft.cli.main import cli
 from kvgraft.config import Config
+from kvgraft.configfile import Remote, add_remote, dumps_toml, load_remotes, remove_remote
 from kvgraft.errors import Conflict, NotFound, UsageError
-from kvgraft.remotes import Remote, add_remote, dumps_toml, load_remotes, remove_remote
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 
 
 def test_remote_config_round_trip(tmp_path: Path) -> None:

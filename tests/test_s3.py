@@ -23,7 +23,7 @@ from kvgraft.blobstore import open_store
 from kvgraft.blobstore.s3 import MiB, S3BlobStore, S3Settings
 from kvgraft.digest import Digest
 from kvgraft.errors import MissingExtra, NotFound, Unavailable, UsageError
-from tests.services import free_ports
+from tests.support.daemons import free_ports
 
 
 def split(url: str) -> tuple[str, str]:

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import requests
 
-from tests.server import Server, kvgraft, make_token, running_server, server_env
-from tests.synthetic import write_synthetic
+from tests.support.serve import Server, kvgraft, make_token, running_server, server_env
+from tests.support.synthetic import write_synthetic
 
 TEAM = "team/kv"
 MAX_UPLOAD = 1 << 20

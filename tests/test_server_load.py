@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.server import kvgraft, make_token, running_server, server_env
-from tests.synthetic import write_synthetic
+from tests.support.serve import kvgraft, make_token, running_server, server_env
+from tests.support.synthetic import write_synthetic
 
 CLIENTS = 16
 ROUNDS = 3

@@ -25,14 +25,14 @@ import pytest
 import requests
 
 from kvgraft.blobstore.s3 import S3BlobStore, S3Settings
-from kvgraft.cache import Cache
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, Unavailable, UsageError
-from kvgraft.httpremote import HttpRemote
 from kvgraft.reference import Reference
+from kvgraft.remote.http import HttpRemote
+from kvgraft.transfer.cache import Cache
 from tests.conftest import s3_base_url, unavailable
-from tests.server import Server, kvgraft, make_token, running_server, server_env
-from tests.synthetic import write_synthetic
+from tests.support.serve import Server, kvgraft, make_token, running_server, server_env
+from tests.support.synthetic import write_synthetic
 
 TEAM = "team/kv"
 EXPIRY = 2  # seconds; SigV4 dates are whole seconds, so a URL lives 1 to 2 s

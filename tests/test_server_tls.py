@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from tests.server import make_token, running_server, server_env
+from tests.support.serve import make_token, running_server, server_env
 
 
 def self_signed(dir: Path) -> tuple[Path, Path]:

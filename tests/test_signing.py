@@ -25,7 +25,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import Conflict, IntegrityError, NotFound, UsageError
 from kvgraft.provenance import PROVENANCE, PolicyRefused, PublicKey
 from tests.conftest import RegistryFactory
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 from tests.test_events import tamper
 
 

@@ -109,8 +109,8 @@ def test_lazy_command_table_matches_the_modules() -> None:
 
 
 def test_version_and_defaults_agree_with_their_sources() -> None:
-    from kvgraft.codec import DEFAULT_CODEC as codec_default
-    from kvgraft.codec import push_codec_names
+    from kvgraft.codecs.codec import DEFAULT_CODEC as codec_default
+    from kvgraft.codecs.codec import push_codec_names
 
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert kvgraft.__version__ == pyproject["project"]["version"] == version("kvgraft")
@@ -126,7 +126,7 @@ def test_version_and_defaults_agree_with_their_sources() -> None:
 
 def test_pull_without_a_policy_does_not_load_the_signature_machinery(
         cli_env: dict[str, str], tmp_path: Path) -> None:
-    from tests.synthetic import write_synthetic
+    from tests.support.synthetic import write_synthetic
 
     src = write_synthetic(tmp_path / "a.kv", tokens=50)
     assert CliRunner(env=cli_env).invoke(cli, ["push", str(src), "t/a:v1"]).exit_code == 0

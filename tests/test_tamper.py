@@ -15,8 +15,8 @@ from sqlalchemy import create_engine, text
 from kvgraft.catalog import Catalog
 from kvgraft.config import Config, default_catalog_url
 from tests.conftest import RegistryFactory
-from tests.hostile import HOSTILE
-from tests.synthetic import write_synthetic
+from tests.support.hostile import HOSTILE
+from tests.support.synthetic import write_synthetic
 
 
 def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvgraft.cli.output import emit_table, safe
-from tests.hostile import HOSTILE
+from tests.support.hostile import HOSTILE
 
 HOSTILE_TEXT = "\x1b[2J\x1b]0;owned\x07\x9b31m[bold]x[/]\u202egnp.exe\r\n"
 RAW = ("\x1b", "\x07", "\x9b", "\u202e", "\r")

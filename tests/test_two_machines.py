@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 
 CLI = "from kvgraft.cli.main import main; main()"
 

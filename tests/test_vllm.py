@@ -40,8 +40,8 @@ from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.errors import UsageError
 from tests.conftest import unavailable
-from tests.models import build
-from tests.services import ensure_postgres, ensure_s3
+from tests.support.daemons import ensure_postgres, ensure_s3
+from tests.support.tinymodels import build
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 128  # vLLM's CPU block size
@@ -75,7 +75,7 @@ def run_node(model: Path, env: dict[str, str], prompts: list[list[int]],
              **options: Any) -> list[dict[str, Any]]:
     spec = {"model": str(model), "env": env, "prompts": prompts,
             "extra": {"repository": REPO}, **options}
-    proc = subprocess.run([sys.executable, "-m", "tests.vllm_node", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", "tests.support.vllm_node", json.dumps(spec)],
                           cwd=ROOT, capture_output=True, text=True, timeout=NODE_TIMEOUT)
     # vLLM logs (the connector's lines included) to stdout
     (Path(env["KVGRAFT_HOME"]).parent / "node.log").write_text(proc.stdout + proc.stderr)
@@ -228,7 +228,7 @@ def black_hole() -> Iterator[int]:
 
 @pytest.fixture
 def server(world: dict[str, Any], black_hole: int) -> Iterator[str]:
-    from tests.services import free_ports
+    from tests.support.daemons import free_ports
 
     (port,) = free_ports(1)
     env = {**os.environ, **_env(world["shared"], world["root"] / "d"),
@@ -313,8 +313,8 @@ def test_publish_lookup_prefetch(tmp_path: Path, catalog_url: str) -> None:
 
     import torch
 
-    from kvgraft.fingerprint import architecture_digest, fingerprint_dir
-    from kvgraft.identity import ModelIdentity
+    from kvgraft.identity.fingerprint import architecture_digest, fingerprint_dir
+    from kvgraft.identity.model import ModelIdentity
     from kvgraft.integrations.vllm.identity import EngineIdentity
     from kvgraft.integrations.vllm.store import lookup, plan_restore, prefetch, publish
 

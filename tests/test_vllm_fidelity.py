@@ -122,8 +122,8 @@ def _publish_as(world: dict[str, Any], repository: str, engine: dict[str, Any],
     """A graft of model m0 published as if by the vLLM engine `engine` (no engine runs)."""
     import torch
 
-    from kvgraft.fingerprint import architecture_digest, fingerprint_dir
-    from kvgraft.identity import ModelIdentity
+    from kvgraft.identity.fingerprint import architecture_digest, fingerprint_dir
+    from kvgraft.identity.model import ModelIdentity
     from kvgraft.integrations.vllm.identity import EngineIdentity
     from kvgraft.integrations.vllm.store import publish
 
@@ -232,7 +232,7 @@ def _step(i: int, identical: bool = True, token: int = 5) -> Step:
 
 def _report(mode: str, steps: list[Step], restored: int = 256,
             cached: int = 256) -> VllmFidelityReport:
-    from kvgraft.identity import ModelIdentity
+    from kvgraft.identity.model import ModelIdentity
 
     d = Digest.of(b"x")
     return VllmFidelityReport(Reference("a/b", tag="c"), d, mode, 300, (1, 2), restored,

@@ -24,14 +24,14 @@ from kvgraft.catalog import Catalog
 from kvgraft.catalog.browse import Search, search, shared_chunks
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
-from kvgraft.kvfile import RawTensor, write_kvfile
+from kvgraft.formats.kvfile import RawTensor, write_kvfile
 from kvgraft.provenance import fidelity_statement
-from kvgraft.push import PushOptions
 from kvgraft.server import web
 from kvgraft.server.lineage import Graph, Node, build, restrict, svg
 from kvgraft.server.web import human_size, web_routes
+from kvgraft.transfer.push import PushOptions
 from tests.conftest import RegistryFactory, unavailable
-from tests.synthetic import synthetic_identity, synthetic_layers
+from tests.support.synthetic import synthetic_identity, synthetic_layers
 from tests.test_events import tamper
 
 ROOT = Path(__file__).resolve().parent.parent

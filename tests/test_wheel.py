@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.synthetic import write_synthetic
+from tests.support.synthetic import write_synthetic
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -324,7 +324,7 @@ class Catalog(CatalogReader):
     def sweep_blobs(self, digests: Iterable[Digest],
                     delete_blob: gcquery.BlobDeleter) -> list[Digest]:
         """Delete from the store and the catalog the blobs among `digests` that no artifact
-        references; see kvgraft.gc for why this is safe while others push."""
+        references; see kvgraft.transfer.gc for why this is safe while others push."""
         wanted = list(digests)
         with self._session(write=True) as s:
             gcquery.record_deletions(s, wanted, _now())

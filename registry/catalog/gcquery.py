@@ -1,5 +1,5 @@
 """The catalog queries gc needs: the inventory it plans from, the lock that holds off
-push commits, and the deletions it carries out under that lock (see kvgraft.gc)."""
+push commits, and the deletions it carries out under that lock (see kvgraft.transfer.gc)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def inventory(s: Session) -> list[ArtifactLinks]:
 
 
 def lock_for_gc(s: Session) -> None:
-    """Hold off every push commit for the rest of this transaction (see kvgraft.gc).
+    """Hold off every push commit for the rest of this transaction (see kvgraft.transfer.gc).
 
     A push commit writes `blobs` first, then `artifacts` and `artifact_blobs`, holding
     ROW EXCLUSIVE on each until it commits; SHARE ROW EXCLUSIVE waits for those and

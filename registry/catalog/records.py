@@ -11,7 +11,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, UsageError
 
 if TYPE_CHECKING:  # the manifest's schema validation is not needed to read the catalog
-    from kvgraft.manifest import Manifest
+    from kvgraft.formats.manifest import Manifest
 
 
 def aware(t: datetime) -> datetime:

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kvgraft.catalog.records import AttestationRecord, EventRecord
+from kvgraft.configfile import config_path, load_document
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, UsageError
-from kvgraft.identity import ModelIdentity
+from kvgraft.identity.model import ModelIdentity
 from kvgraft.provenance.keys import Keyring, PublicKey
 from kvgraft.provenance.signing import open_envelope
 from kvgraft.provenance.statement import FIDELITY, Statement, fidelity_identity
-from kvgraft.remotes import config_path, load_document
 
 
 class PolicyRefused(IntegrityError):

@@ -18,8 +18,8 @@ import jsonschema
 from kvgraft import strictjson
 from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import IntegrityError
-from kvgraft.identity import ModelIdentity
-from kvgraft.manifest import MEDIA_TYPE, Manifest
+from kvgraft.formats.manifest import MEDIA_TYPE, Manifest
+from kvgraft.identity.model import ModelIdentity
 from kvgraft.resources import load_schema
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"

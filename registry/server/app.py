@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvgraft.client import Registry
 from kvgraft.errors import RegistryError
-from kvgraft.server import auth, kvapi, oci, remoteapi
+from kvgraft.server import auth, catalogapi, kvapi, oci
 from kvgraft.server.context import Context
 from kvgraft.server.errors import OciError
 from kvgraft.server.settings import ServerSettings
@@ -104,7 +104,7 @@ def create_app(registry_factory: Callable[[], Registry], settings: ServerSetting
         Route("/v2/{rest:path}", oci.dispatch,
               methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]),
         *kvapi.routes(),
-        *remoteapi.routes(),
+        *catalogapi.routes(),
         *extra_routes,
     ]
     app = Starlette(routes=routes, lifespan=lifespan,

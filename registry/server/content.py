@@ -16,10 +16,10 @@ from typing import BinaryIO
 
 from kvgraft.blobstore import BlobStore
 from kvgraft.blobstore.base import Presigning
-from kvgraft.codec import MAGIC, decode_blob, frame, get_codec
+from kvgraft.codecs.codec import MAGIC, decode_blob, frame, get_codec
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound
-from kvgraft.ocigraft import EMPTY_DIGEST, EMPTY_JSON
+from kvgraft.oci.graft import EMPTY_DIGEST, EMPTY_JSON
 
 PIECE = 1 << 20
 _SIZE = struct.Struct("<Q")

@@ -12,14 +12,14 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kvgraft import ocigraft
 from kvgraft.catalog.oci import OciTables
 from kvgraft.catalog.records import EventRecord
 from kvgraft.catalog.tokens import TokenTable
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import AuthRefused, RegistryError
-from kvgraft.manifest import Manifest
+from kvgraft.formats.manifest import Manifest
+from kvgraft.oci import graft as ocigraft
 from kvgraft.server import auth
 from kvgraft.server.errors import OciError, from_registry_error
 from kvgraft.server.settings import ServerSettings

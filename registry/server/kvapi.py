@@ -13,15 +13,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvgraft import ocigraft
 from kvgraft.catalog.models import ModelRow
 from kvgraft.errors import UsageError
-from kvgraft.identity import ModelIdentity
+from kvgraft.identity.model import ModelIdentity
+from kvgraft.oci import graft as ocigraft
 from kvgraft.reference import Reference
 from kvgraft.server import content
 from kvgraft.server.context import Context
+from kvgraft.server.endpoint import endpoint_of, principal_of, require
 from kvgraft.server.errors import OciError
-from kvgraft.server.remotecommon import endpoint_of, principal_of, require
 
 PREFIX = "/kvgraft/v1"
 MAX_BODY = 16 << 20
@@ -98,7 +98,7 @@ def log(request: Request, ctx: Context) -> dict[str, Any]:
 
 
 def match(request: Request, ctx: Context) -> dict[str, Any]:
-    from kvgraft.match import match as prefix_match
+    from kvgraft.services.match import match as prefix_match
 
     principal = principal_of(request, ctx)
     raw = request.query_params.get("q")

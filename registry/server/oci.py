@@ -14,10 +14,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvgraft import ocigraft
 from kvgraft.catalog.oci import OciManifest
 from kvgraft.digest import Digest
 from kvgraft.errors import NotFound, RegistryError, UsageError
+from kvgraft.oci import graft as ocigraft
 from kvgraft.reference import Reference, check_name, check_tag
 from kvgraft.server import content
 from kvgraft.server.context import Context
@@ -312,7 +312,7 @@ def _commit(request: Request, ctx: Context, name: str, path: Path, digest: str) 
         content.store_file(ctx.registry.store, d, path)
     ctx.oci.link_blob(name, digest, size)
     # The blob may have been in the store already (so not written again) and a gc may
-    # have deleted it before the link committed: the rule that protects pushes (kvgraft.gc,
+    # have deleted it before the link committed: the rule that protects pushes (kvgraft.transfer.gc,
     # rule 3) protects uploads too. The deletion record exists before the object goes,
     # and gc re-checks links under its lock, so this check after the commit is enough.
     if digest != ocigraft.EMPTY_DIGEST and ctx.registry.catalog.deleted_blobs([d]) \

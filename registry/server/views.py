@@ -12,13 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvgraft.audit import origin
 from kvgraft.catalog import ArtifactRecord, EventRecord, TagRecord
 from kvgraft.catalog.browse import Sharing, recent_events, shared_chunks
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound
-from kvgraft.manifest import Manifest
+from kvgraft.formats.manifest import Manifest
 from kvgraft.provenance import (
     FIDELITY,
     PROVENANCE,
@@ -26,6 +25,7 @@ from kvgraft.provenance import (
     PublicKey,
     provenance_statement,
 )
+from kvgraft.provenance.audit import origin
 from kvgraft.provenance.policy import assess_all
 from kvgraft.provenance.statement import fidelity_identity
 from kvgraft.server.lineage import Graph, build, repository_of, restrict

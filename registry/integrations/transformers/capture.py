@@ -23,9 +23,9 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from kvgraft import __version__
 from kvgraft.digest import Digest
 from kvgraft.errors import UsageError
-from kvgraft.fingerprint import torch_dtype_name
+from kvgraft.formats.kvfile import RawTensor, write_kvfile
+from kvgraft.identity.fingerprint import torch_dtype_name
 from kvgraft.integrations.transformers.models import LoadedModel, engine_info
-from kvgraft.kvfile import RawTensor, write_kvfile
 
 
 @dataclass(frozen=True, slots=True)

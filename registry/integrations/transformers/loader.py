@@ -22,19 +22,19 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from kvgraft.cache import Cache
-from kvgraft.chunks import manifest_plans
 from kvgraft.client import Registry
-from kvgraft.codec import parse_frame
-from kvgraft.compat import CompatReport, compare
+from kvgraft.codecs.codec import parse_frame
 from kvgraft.digest import Digest
 from kvgraft.errors import IncompatibleModel, IntegrityError
-from kvgraft.fingerprint import torch_dtype_name
+from kvgraft.formats.chunks import manifest_plans
+from kvgraft.formats.kvfile import KVLayout, TensorInfo
+from kvgraft.formats.manifest import BlobRef, Manifest
+from kvgraft.identity.compat import CompatReport, compare
+from kvgraft.identity.fingerprint import torch_dtype_name
 from kvgraft.integrations.transformers.models import LoadedModel
-from kvgraft.kvfile import KVLayout, TensorInfo
-from kvgraft.manifest import BlobRef, Manifest
-from kvgraft.pull import Fetcher, layout_of
 from kvgraft.reference import Reference
+from kvgraft.transfer.cache import Cache
+from kvgraft.transfer.pull import Fetcher, layout_of
 
 log = logging.getLogger(__name__)
 KVBuffer = bytearray | mmap.mmap  # a KV file's bytes in memory

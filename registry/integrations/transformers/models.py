@@ -19,7 +19,7 @@ import transformers
 
 from kvgraft import __version__
 from kvgraft.errors import MissingExtra, UsageError
-from kvgraft.fingerprint import Fingerprint, fingerprint, torch_dtype_name
+from kvgraft.identity.fingerprint import Fingerprint, fingerprint, torch_dtype_name
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

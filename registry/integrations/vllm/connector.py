@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, RegistryError
+from kvgraft.formats.manifest import BlobRef, Manifest
 from kvgraft.integrations.vllm import paged
 from kvgraft.integrations.vllm.background import Background, Counters
 from kvgraft.integrations.vllm.hot import HotChunks, MiB
@@ -58,8 +59,7 @@ from kvgraft.integrations.vllm.store import (
     prefetch,
     publish,
 )
-from kvgraft.manifest import BlobRef, Manifest
-from kvgraft.pull import Fetcher
+from kvgraft.transfer.pull import Fetcher
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -45,13 +45,13 @@ from kvgraft.client import Registry
 from kvgraft.config import Config, default_catalog_url
 from kvgraft.digest import Digest
 from kvgraft.errors import IncompatibleModel, IntegrityError, RegistryError, UsageError
-from kvgraft.fingerprint import architecture_digest, fingerprint_dir
-from kvgraft.identity import ModelIdentity
+from kvgraft.formats.manifest import Manifest
+from kvgraft.identity.fingerprint import architecture_digest, fingerprint_dir
+from kvgraft.identity.model import ModelIdentity
 from kvgraft.integrations.vllm.identity import EngineIdentity, engine_identity
-from kvgraft.manifest import Manifest
 from kvgraft.provenance.statement import fidelity_statement
 from kvgraft.reference import Reference
-from kvgraft.transfer import copy_blobs
+from kvgraft.transfer.copy import copy_blobs
 
 ATTENTION_BACKEND = "CPU_ATTN"  # the backend the connector serves (and names in identities)
 STAGED = Reference("fidelity/graft", tag="check")  # the graft's name in the engine's registry

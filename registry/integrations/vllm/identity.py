@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft.errors import UsageError
-from kvgraft.fingerprint import architecture_digest, fingerprint_dir
-from kvgraft.identity import ModelIdentity
+from kvgraft.identity.fingerprint import architecture_digest, fingerprint_dir
+from kvgraft.identity.model import ModelIdentity
 
 # vLLM dtype names -> safetensors names (the KV file's dtype vocabulary)
 _DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "half": "F16",

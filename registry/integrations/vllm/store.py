@@ -14,17 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from kvgraft import __version__
-from kvgraft.chunks import DEFAULT_CHUNK_TOKENS
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IncompatibleModel, UsageError
+from kvgraft.formats.chunks import DEFAULT_CHUNK_TOKENS
+from kvgraft.formats.kvfile import RawTensor, write_kvfile
+from kvgraft.formats.manifest import BlobRef, Manifest
 from kvgraft.integrations.vllm.identity import EngineIdentity
-from kvgraft.kvfile import RawTensor, write_kvfile
-from kvgraft.manifest import BlobRef, Manifest
-from kvgraft.match import match
-from kvgraft.pull import Fetcher
-from kvgraft.push import PushOptions
 from kvgraft.reference import Reference
+from kvgraft.services.match import match
+from kvgraft.transfer.pull import Fetcher
+from kvgraft.transfer.push import PushOptions
 
 log = logging.getLogger("vllm.kvgraft")
 

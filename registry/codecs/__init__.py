@@ -1,0 +1,1 @@
+"""Blob codecs and the self-describing stored-blob frame (docs/format.md, "Blob frames")."""

@@ -1,0 +1,299 @@
+"""Pulling from `kvgraft serve` over HTTP with a token: no catalog or bucket credentials.
+
+The server resolves references and hands out each blob exactly as stored (encoded,
+self-describing); the pull runs through the same Fetcher as a direct one, so every blob is
+decoded and hashed against its digest before it is used, lands in the machine cache, and a
+second pull transfers nothing. A transfer cut off mid-blob resumes where it stopped.
+Only the standard library speaks HTTP here, so a client needs no extra.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from kvgraft.blobstore.base import BlobInfo, too_large
+from kvgraft.digest import Buffer, Digest
+from kvgraft.errors import (
+    AuthRefused,
+    Conflict,
+    IntegrityError,
+    NotFound,
+    RegistryError,
+    Unavailable,
+    UsageError,
+)
+from kvgraft.formats.manifest import Manifest
+from kvgraft.identity.model import ModelIdentity
+from kvgraft.reference import Reference
+from kvgraft.remote.presigned import Redirect, pieces, store_error
+from kvgraft.transfer.cache import Cache
+from kvgraft.transfer.pull import Fetcher, FetchStats, Progress, export, fetch
+
+if TYPE_CHECKING:
+    from kvgraft.remote.catalog import HttpCatalog
+
+RESUMES = 3  # times one blob transfer is resumed after a broken connection
+TIMEOUT = 60.0
+
+
+# OCI error codes that mean the content itself is wrong (exit 4), whatever the status.
+_INTEGRITY_CODES = frozenset({"DIGEST_INVALID", "MANIFEST_INVALID", "MANIFEST_BLOB_UNKNOWN",
+                              "BLOB_UPLOAD_INVALID", "SIZE_INVALID"})
+
+
+def _error(e: urllib.error.HTTPError, what: str) -> RegistryError:
+    code = ""
+    try:
+        first = json.loads(e.read())["errors"][0]
+        message, code = first["message"], str(first.get("code", ""))
+    except (ValueError, KeyError, IndexError, TypeError):
+        message = e.reason
+    if e.code in (401, 403):
+        return AuthRefused(f"{what}: {message}", hint="check the token and its scopes")
+    if e.code == 404:
+        return NotFound(f"{what}: {message}")
+    if code in _INTEGRITY_CODES:
+        return IntegrityError(f"{what}: {message}")
+    if e.code == 409:
+        return Conflict(f"{what}: {message}")
+    if e.code < 500:
+        return UsageError(f"{what}: {message}")
+    return Unavailable(f"{what}: server answered {e.code}: {message}")
+
+
+@dataclass(frozen=True)
+class HttpRemote:
+    url: str  # http(s)://host:port
+    token: str
+    cafile: Path | None = None
+
+    @classmethod
+    def with_token_file(cls, url: str, token_file: Path, cafile: Path | None = None,
+                        ) -> HttpRemote:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as e:
+            raise UsageError(f"cannot read token file {token_file}: {e.strerror}") from None
+        return cls(url.rstrip("/"), token, cafile)
+
+    def _context(self) -> ssl.SSLContext | None:
+        if not self.url.startswith("https:"):
+            return None
+        return ssl.create_default_context(cafile=str(self.cafile) if self.cafile else None)
+
+    def request(self, path: str, *, headers: dict[str, str] | None = None,
+                what: str) -> Any:
+        """GET `path` on the server, with the token; or a full store URL the server
+        redirected to before (a resume), without it."""
+        direct = "://" in path
+        url = path if direct else f"{self.url}{path}"
+        auth = {} if direct else {"Authorization": f"Bearer {self.token}"}
+        req = urllib.request.Request(url, headers={**auth, **(headers or {})})
+        redirect = Redirect()
+        handlers: list[urllib.request.BaseHandler] = [redirect]
+        if context := self._context():
+            handlers.append(urllib.request.HTTPSHandler(context=context))
+        try:
+            return urllib.request.build_opener(*handlers).open(req, timeout=TIMEOUT)
+        except urllib.error.HTTPError as e:
+            raise (store_error(e, what) if e.url != url or direct else _error(e, what)) \
+                from None
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            if redirect.target or direct:
+                where = urllib.parse.urlsplit(redirect.target or url).netloc
+                raise Unavailable(f"{what}: cannot reach the blob store at {where} that the "
+                                  f"server redirected to: {reason}",
+                                  hint="the server's KVGRAFT_S3_PUBLIC_ENDPOINT_URL must "
+                                       "name an endpoint clients reach") from None
+            raise Unavailable(f"{what}: cannot reach {self.url}: {reason}") from None
+
+    def send(self, method: str, path: str, body: Any = None, *,
+             data: Sequence[Buffer] | None = None, what: str) -> Any:
+        """One request with a JSON body (`body`) or raw bytes (`data`); the decoded JSON
+        answer. A GET or PUT (an upload) is idempotent, so a broken connection retries it;
+        a POST is not retried (an untag or an attestation must not happen twice)."""
+        headers = {"Authorization": f"Bearer {self.token}"}
+        payload: Any = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        elif data is not None:
+            payload = list(data)  # re-iterable: a retry sends it again
+            headers["Content-Type"] = "application/octet-stream"
+            headers["Content-Length"] = str(sum(memoryview(d).nbytes for d in data))
+        req = urllib.request.Request(f"{self.url}{path}", data=payload, method=method,
+                                     headers=headers)
+        tries = RESUMES + 1 if method in ("GET", "PUT") else 1
+        for attempt in range(tries):
+            try:
+                with urllib.request.urlopen(req, timeout=TIMEOUT,
+                                            context=self._context()) as r:
+                    answer = r.read()
+            except urllib.error.HTTPError as e:
+                raise _error(e, what) from None
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+                if attempt == tries - 1:
+                    reason = getattr(e, "reason", e)
+                    raise Unavailable(f"{what}: cannot reach {self.url}: {reason}") from None
+                continue
+            try:
+                return json.loads(answer or b"null")
+            except ValueError:
+                raise Unavailable(f"{what}: {self.url} answered something that is not JSON",
+                                  hint="is the remote's URL that of a kvgraft server?"
+                                  ) from None
+        raise AssertionError("unreachable")
+
+    def match(self, identity: ModelIdentity, token_ids: Sequence[int]) -> dict[str, Any] | None:
+        """The server's longest cached prefix of `token_ids` for `identity`, among the
+        artifacts this token may pull (kvgraft.services.match.PrefixMatch's JSON), or None."""
+        q = urllib.parse.urlencode({"q": json.dumps(
+            {"model": identity.to_json(), "tokens": [int(t) for t in token_ids]})})
+        found = self.send("GET", f"/kvgraft/v1/match?{q}", what="prefix match")["match"]
+        return dict(found) if found else None
+
+    def catalog(self) -> HttpCatalog:
+        from kvgraft.remote.catalog import HttpCatalog
+
+        return HttpCatalog(self)
+
+    def resolve(self, ref: Reference) -> Digest:
+        q = urllib.parse.urlencode({"ref": str(ref)})
+        with self.request(f"/kvgraft/v1/resolve?{q}", what=f"resolve {ref}") as r:
+            return Digest.parse(json.loads(r.read())["digest"])
+
+    def manifest(self, repository: str, digest: Digest) -> Manifest:
+        """The kvgraft manifest, checked against its digest (Manifest.parse does)."""
+        with self.request(f"/v2/{repository}/blobs/{digest}",
+                          what=f"manifest {digest}") as r:
+            return Manifest.parse(r.read(), digest)
+
+    def store(self, repository: str) -> HttpStore:
+        return HttpStore(self, repository)
+
+    def pull(self, ref: Reference | str, cache: Cache, output: Path | None = None, *,
+             workers: int | None = None, progress: Progress | None = None,
+             ) -> tuple[Digest, FetchStats]:
+        ref = Reference.parse(ref) if isinstance(ref, str) else ref
+        digest = ref.digest or self.resolve(ref)
+        manifest = self.manifest(ref.name, digest)
+        cache.put_manifest(digest, manifest.canonical())
+        fetcher = Fetcher(self.store(ref.name), cache)
+        if output is None:
+            stats = fetch(manifest, fetcher, workers=workers, progress=progress)
+        else:
+            stats = export(manifest, fetcher, output, workers=workers, progress=progress)
+        cache.put_ref(ref, digest)
+        return digest, stats
+
+
+class HttpStore:
+    """The read side of a blob store, through a server, for one repository."""
+
+    def __init__(self, remote: HttpRemote, repository: str) -> None:
+        self.remote = remote
+        self.repository = repository
+
+    @property
+    def url(self) -> str:
+        return f"{self.remote.url}/{self.repository}"
+
+    def get(self, digest: Digest, max_size: int | None = None) -> bytes:
+        q = urllib.parse.urlencode({"repository": self.repository})
+        path = f"/kvgraft/v1/stored/{digest}?{q}"
+        parts: list[bytes] = []
+        got = 0
+        total: int | None = None
+        location: str | None = None  # the store URL the server redirected to: resume there
+        for attempt in range(RESUMES + 1):
+            headers = {"Range": f"bytes={got}-"} if got else {}
+            try:
+                with self.remote.request(location or path, headers=headers,
+                                         what=f"blob {digest}") as r:
+                    if r.url != f"{self.remote.url}{path}":
+                        location = r.url
+                    if r.status != 206:  # the whole blob (a range not honoured: again)
+                        parts.clear()
+                        got = 0
+                        total = int(r.headers.get("Content-Length", "-1"))
+                        if max_size is not None and total > max_size:
+                            raise too_large(digest, self.url, total, max_size)
+                    for piece in pieces(r):
+                        parts.append(piece)
+                        got += len(piece)
+                        if max_size is not None and got > max_size:
+                            raise too_large(digest, self.url, got, max_size)
+                if total is None or total < 0 or got == total:
+                    return b"".join(parts)
+            except Unavailable:
+                # Refused or unreachable (an expired URL among them): the server hands out
+                # a fresh URL for the rest.
+                location = None
+                if attempt == RESUMES:
+                    raise
+            except (OSError, http.client.HTTPException):
+                if attempt == RESUMES:
+                    raise
+        raise Unavailable(f"blob {digest}: transfer from {self.remote.url} stayed short "
+                          f"({got} of {total} bytes)")
+
+    def open(self, digest: Digest) -> BinaryIO:
+        import io
+
+        return io.BytesIO(self.get(digest))
+
+    def _query(self, **extra: str) -> str:
+        return urllib.parse.urlencode({"repository": self.repository, **extra})
+
+    def exists(self, digest: Digest) -> bool:
+        return self.stat(digest) is not None
+
+    def stat(self, digest: Digest) -> BlobInfo | None:
+        """Only blobs this repository holds (or was sent) are reported: a blob stored for
+        another repository must be uploaded again, which proves its bytes are in hand."""
+        try:
+            info = self.remote.send("GET", f"/kvgraft/v1/blobinfo/{digest}?{self._query()}",
+                                    what=f"blob {digest}")
+        except NotFound:
+            return None
+        return BlobInfo(digest, int(info["stored_size"]), float(info["mtime"]))
+
+    def put(self, digest: Digest, parts: Sequence[Buffer]) -> bool:
+        """Upload a stored (encoded) blob; the server decodes and hashes it against `digest`
+        before anyone can see it, and keeps the first good copy (True if this stored it).
+        A broken connection sends the blob again (blobs are chunk-sized)."""
+        from kvgraft.codecs.codec import parse_frame
+
+        head = b""
+        for p in parts:  # the frame header (at most 272 bytes) names the decoded size
+            head += bytes(memoryview(p)[:272 - len(head)])
+            if len(head) >= 272:
+                break
+        _, size, _ = parse_frame(head)
+        answer = self.remote.send(
+            "PUT", f"/kvgraft/v1/upload/{digest}?{self._query(size=str(size))}", data=parts,
+            what=f"upload of blob {digest} to {self.repository}")
+        return bool(answer["stored"])
+
+    def replace(self, digest: Digest, parts: Sequence[Buffer]) -> None:
+        # The server replaces what it holds only when that no longer verifies.
+        self.put(digest, parts)
+
+    def delete(self, digest: Digest) -> bool:
+        raise UsageError("an HTTP remote does not delete blobs",
+                         hint="`kvgraft gc` runs on the server's host, with a direct remote")
+
+    def iter(self) -> Iterator[BlobInfo]:
+        raise UsageError("an HTTP remote does not list raw blobs",
+                         hint="`kvgraft ls` lists artifacts; listing blobs needs a direct "
+                              "remote")

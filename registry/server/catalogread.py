@@ -1,0 +1,162 @@
+"""The read side of an HTTP remote's catalog under /kvgraft/v1/ (see catalogapi)."""
+
+from __future__ import annotations
+
+import fnmatch
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from starlette.requests import Request
+
+from kvgraft.catalog.models import (
+    ArtifactBlobRow,
+    ArtifactRow,
+    BlobRow,
+    RepositoryArtifactRow,
+)
+from kvgraft.catalog.records import BlobRecord
+from kvgraft.digest import Digest
+from kvgraft.remote import wire
+from kvgraft.server.auth import Principal
+from kvgraft.server.context import Context
+from kvgraft.server.endpoint import (
+    MAX_DIGESTS,
+    digest_param,
+    principal_of,
+    repository_param,
+    require,
+    visible_in,
+)
+from kvgraft.server.errors import OciError
+
+# --- reads ---------------------------------------------------------------------------
+
+
+def record(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    digest = digest_param(request.path_params["digest"])
+    visible = visible_in(request, ctx, digest)
+    r = ctx.registry.catalog.artifact(digest)
+    out = wire.artifact_json(r)
+    out["repositories"] = list(visible)
+    out["tags"] = [wire.tag_json(t) for t in r.tags if t.repository in visible]
+    return {"artifact": out}
+
+
+def tags(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    principal = principal_of(request, ctx)
+    pattern = request.query_params.get("pattern") or None
+    if pattern is not None and len(pattern) > 512:
+        raise OciError(400, "NAME_INVALID", "the pattern is longer than 512 characters")
+    problems: list[str] = []
+    found = ctx.registry.catalog.list_tags(pattern, problems=problems)
+    if pattern:
+        found = tuple(t for t in found if fnmatch.fnmatchcase(t.repository, pattern))
+    admin = principal.may(ctx.settings, "*", "admin")
+    return {"tags": [wire.tag_json(t) for t in found
+                     if principal.may(ctx.settings, t.repository, "pull")],
+            "problems": problems if admin else []}
+
+
+def blob_records(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
+    principal = principal_of(request, ctx)
+    wanted = body.get("digests") if isinstance(body, dict) else None
+    if not isinstance(wanted, list) or len(wanted) > MAX_DIGESTS:
+        raise OciError(400, "UNSUPPORTED", f"give at most {MAX_DIGESTS} digests")
+    keys = [str(digest_param(str(d))) for d in wanted]
+    out: dict[str, BlobRecord] = {}
+    with ctx.registry.catalog._session() as s:  # rows of blobs in readable repositories
+        for i in range(0, len(keys), 500):
+            rows = s.execute(
+                select(BlobRow, RepositoryArtifactRow.repository)
+                .join(ArtifactBlobRow, ArtifactBlobRow.blob_digest == BlobRow.digest)
+                .join(RepositoryArtifactRow, RepositoryArtifactRow.artifact_digest
+                      == ArtifactBlobRow.artifact_digest)
+                .where(BlobRow.digest.in_(keys[i:i + 500])))
+            for b, repository in rows:
+                if b.digest not in out and principal.may(ctx.settings, repository, "pull"):
+                    out[b.digest] = BlobRecord(Digest.parse(b.digest), b.size,
+                                               b.stored_size, b.codec)
+    return {"blobs": [wire.blob_json(b) for b in out.values()]}
+
+
+def artifact_digests(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    principal = principal_of(request, ctx)
+    seen: dict[str, None] = {}
+    with ctx.registry.catalog._session() as s:
+        rows = s.execute(select(ArtifactRow.digest, RepositoryArtifactRow.repository)
+                         .join(RepositoryArtifactRow, RepositoryArtifactRow.artifact_digest
+                               == ArtifactRow.digest)
+                         .order_by(ArtifactRow.created_at, ArtifactRow.digest))
+        for digest, repository in rows:
+            if principal.may(ctx.settings, repository, "pull"):
+                seen.setdefault(digest)
+    return {"digests": list(seen)}
+
+
+def events(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    q = request.query_params
+    digest = digest_param(q["digest"]) if q.get("digest") else None
+    if digest is not None:
+        visible_in(request, ctx, digest)
+    else:  # the whole log names every repository: admin only
+        require(request, ctx, "*", "admin")
+    principal: Principal = request.state.principal
+    try:
+        since = datetime.fromisoformat(q["since"]) if q.get("since") else None
+        limit = int(q["limit"]) if q.get("limit") else None
+    except ValueError as e:
+        raise OciError(400, "UNSUPPORTED", f"bad since/limit: {e}") from None
+    found = ctx.registry.catalog.events(digest=digest, action=q.get("action") or None,
+                                        since=since, limit=limit)
+    return {"events": [wire.event_json(e) for e in found
+                       if e.repository is None
+                       or principal.may(ctx.settings, e.repository, "pull")]}
+
+
+def attestations(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    digest = digest_param(request.path_params["digest"])
+    visible_in(request, ctx, digest)
+    catalog = ctx.registry.catalog
+    found = catalog.attestations(digest, request.query_params.get("predicate_type") or None)
+    return {"attestations": [wire.attestation_json(a) for a in found],
+            "recorded": {str(k): v for k, v in catalog.attestation_digests(digest).items()}}
+
+
+def children(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    digest = digest_param(request.path_params["digest"])
+    visible_in(request, ctx, digest)
+    principal: Principal = request.state.principal
+    out = []
+    for child in ctx.registry.catalog.children(digest):
+        repos = ctx.registry.catalog.artifact(child).repositories
+        if any(principal.may(ctx.settings, r, "pull") for r in repos):
+            out.append(str(child))
+    return {"children": out}
+
+
+def event_chain(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    """Whether the event log's hash chain holds: counts and problems, no event contents,
+    so any token may ask (an audit checks it)."""
+    if principal_of(request, ctx).token is None:
+        raise ctx.refuse(request, request.state.principal, None, "pull")
+    catalog = ctx.registry.catalog
+    return {"chain": catalog.event_chain().to_json(),
+            "trigger_problems": catalog.event_trigger_problems()}
+
+
+def blob_info(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    """A blob this repository holds (or was sent), for a caller that may pull or push
+    there: what a push asks before uploading."""
+    repository = repository_param(request.query_params.get("repository"))
+    principal = principal_of(request, ctx)
+    if not (principal.may(ctx.settings, repository, "pull")
+            or principal.may(ctx.settings, repository, "push")):
+        raise ctx.refuse(request, principal, repository, "pull")
+    digest = digest_param(request.path_params["digest"])
+    info = None
+    if ctx.oci.blob_size(repository, str(digest)) is not None:
+        info = ctx.registry.store.stat(digest)
+    if info is None:
+        raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is not in {repository}")
+    return {"digest": str(digest), "stored_size": info.stored_size, "mtime": info.mtime}

@@ -1,0 +1,275 @@
+"""The write side of an HTTP remote under /kvgraft/v1/: uploads, push commits, tags,
+events and attestations (see catalogapi)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from kvgraft.catalog.records import AttestationRecord, BlobRecord, PushRecord
+from kvgraft.client import check_labels
+from kvgraft.codecs.codec import max_stored_size, parse_frame
+from kvgraft.digest import Digest
+from kvgraft.errors import Conflict, IntegrityError, RegistryError, UsageError
+from kvgraft.formats.manifest import BlobRef, Manifest
+from kvgraft.reference import Reference
+from kvgraft.remote import wire
+from kvgraft.server.context import Context
+from kvgraft.server.endpoint import (
+    RESERVED,
+    digest_param,
+    event_fields,
+    repository_param,
+    require,
+    visible_in,
+)
+from kvgraft.server.errors import OciError
+from kvgraft.server.oci import _receive as receive
+
+# --- writes --------------------------------------------------------------------------
+
+
+def _upload_args(request: Request, ctx: Context) -> tuple[str, Digest, int]:
+    repository = repository_param(request.query_params.get("repository"))
+    require(request, ctx, repository, "push")
+    size = request.query_params.get("size", "")
+    if not size.isdigit():
+        raise OciError(400, "SIZE_INVALID", "give the decoded size as ?size=N")
+    return repository, digest_param(request.path_params["digest"]), int(size)
+
+
+async def upload(request: Request) -> Response:
+    """Store one blob as the client encoded it, once it decoded and hashed to its digest.
+    The body is spooled to a scratch file, counted with the open uploads, so their limit
+    bounds how many are taken in at once."""
+    ctx: Context = request.app.state.ctx
+    try:
+        try:
+            repository, digest, size = await run_in_threadpool(_upload_args, request, ctx)
+        except OciError:
+            # Read what was sent before refusing: a client still writing its body would
+            # otherwise see the connection reset instead of the refusal.
+            await _drain(request, ctx.settings.max_upload_bytes)
+            raise
+        limit = min(max_stored_size(size), ctx.settings.max_upload_bytes)
+        scratch = ctx.uploads.scratch()
+        try:
+            fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                await receive(request, fd, 0, limit)
+            finally:
+                os.close(fd)
+            answer = await run_in_threadpool(_store_upload, ctx, repository, digest, size,
+                                             scratch)
+        finally:
+            scratch.unlink(missing_ok=True)
+    except OciError as e:
+        return e.response()
+    except RegistryError as e:
+        return ctx.registry_error(request, e).response()
+    return JSONResponse(answer)
+
+
+async def _drain(request: Request, limit: int) -> None:
+    seen = 0
+    with contextlib.suppress(ClientDisconnect):
+        async for piece in request.stream():
+            seen += len(piece)
+            if seen > limit:
+                return
+
+
+def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
+                  path: Path) -> dict[str, Any]:
+    """The first good copy wins; one that no longer verifies is replaced (so pushing a
+    file again repairs it). The repository then holds the blob."""
+    from kvgraft.transfer.pull import verify_stored
+    from kvgraft.transfer.push import checked_record
+
+    # Blob-sized (the limit is the declared size's bound), and as many at once as the
+    # open-upload limit lets in.
+    data = path.read_bytes()
+    try:
+        verify_stored(BlobRef(digest, size), data, "the upload")
+    except IntegrityError as e:
+        raise OciError(400, "DIGEST_INVALID", e.human()) from None
+    store = ctx.registry.store
+    stored = False
+    present = store.stat(digest) is not None
+    kept = checked_record(store, digest, size) if present else None
+    if kept is None:
+        if present:
+            store.replace(digest, [data])
+            stored = True
+        else:
+            stored = store.put(digest, [data])
+        kept = checked_record(store, digest, size)
+        if kept is None:
+            raise OciError(503, "UNAVAILABLE", f"blob {digest} did not read back intact")
+    ctx.registry.catalog.refresh_blobs([kept])
+    ctx.oci.link_blob(repository, str(digest), size)
+    return {"digest": str(digest), "stored": stored, "stored_size": kept.stored_size,
+            "codec": kept.codec}
+
+
+def _held(ctx: Context, repository: str, ref: BlobRef) -> BlobRecord | None:
+    """The blob's row if `repository` holds it and the store has it, its frame naming the
+    manifest's size."""
+    if ctx.oci.blob_size(repository, str(ref.digest)) is None:
+        return None
+    store = ctx.registry.store
+    info = store.stat(ref.digest)
+    if info is None:
+        return None
+    with store.open(ref.digest) as f:
+        head = f.read(272)
+    try:
+        codec, size, _ = parse_frame(head)
+    except IntegrityError:
+        return None
+    if size != ref.size:
+        raise OciError(400, "MANIFEST_INVALID", f"the manifest gives blob {ref.digest} "
+                       f"{ref.size} bytes; it holds {size}")
+    return BlobRecord(ref.digest, ref.size, info.stored_size, codec)
+
+
+def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
+    """Commit a push: the manifest must parse and hash to its digest, and the repository
+    must hold every blob it names; the rows come from the store, not the client."""
+    from kvgraft.transfer.gc import ensure_blobs
+
+    if not isinstance(body, dict) or not isinstance(body.get("manifest"), str):
+        raise OciError(400, "MANIFEST_INVALID", "give the manifest's canonical JSON")
+    repository = repository_param(body.get("repository"))
+    require(request, ctx, repository, "push")
+    tag = body.get("tag")
+    try:
+        if tag is not None:
+            Reference.parse(f"{repository}:{tag}")
+        labels = check_labels({str(k): str(v) for k, v in (body.get("labels") or {}).items()})
+        raw = body["manifest"].encode()
+        if len(raw) > ctx.settings.max_manifest_bytes:
+            raise OciError(413, "SIZE_INVALID", f"the manifest is larger than "
+                           f"{ctx.settings.max_manifest_bytes} bytes")
+        manifest = Manifest.parse(raw, Digest.of(raw))
+    except (IntegrityError, AttributeError) as e:
+        why = e.human() if isinstance(e, IntegrityError) else str(e)
+        raise OciError(400, "MANIFEST_INVALID", why) from None
+    for parent in manifest.parents:
+        visible_in(request, ctx, parent)
+    records, missing = [], []
+    for ref in manifest.blobs():
+        held = _held(ctx, repository, ref)
+        if held is None:
+            missing.append(str(ref.digest))
+        else:
+            records.append(held)
+    if missing:
+        raise OciError(400, "MANIFEST_BLOB_UNKNOWN",
+                       f"{repository} does not hold {len(missing)} of the blobs the manifest "
+                       f"names (first {missing[0]}): upload them first",
+                       detail={"missing": missing[:100]})
+    action, _, detail = event_fields(body)
+    event = ctx.event_record(request, "copy" if action == "copy" else "push",
+                             repository=repository, tag=tag, digest=manifest.digest,
+                             detail=detail)
+    catalog = ctx.registry.catalog
+    outcome = catalog.record_push(PushRecord(manifest, tuple(records), repository, tag,
+                                             labels, event))
+
+    def lost() -> list[BlobRecord]:
+        raise Conflict(f"a gc deleted blobs of {manifest.digest} while it was pushed",
+                       hint="push again")
+
+    ensure_blobs(catalog, ctx.registry.store, manifest, lost)
+    return {"digest": str(manifest.digest), "created": outcome.created,
+            "previous": str(outcome.previous) if outcome.previous else None}
+
+
+def tag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise OciError(400, "UNSUPPORTED", "give repository, tag and digest")
+    repository = repository_param(body.get("repository"))
+    require(request, ctx, repository, "push")
+    name = str(body.get("tag"))
+    try:
+        Reference.parse(f"{repository}:{name}")
+    except UsageError as e:
+        raise OciError(400, "NAME_INVALID", e.human()) from None
+    digest = digest_param(str(body.get("digest")))
+    visible_in(request, ctx, digest)  # only what the caller may read can be tagged
+    _, _, detail = event_fields(body)
+    previous = ctx.registry.catalog.set_tag(repository, name, digest, ctx.event_record(
+        request, "tag", repository=repository, tag=name, digest=digest, detail=detail))
+    return {"previous": str(previous) if previous else None}
+
+
+def untag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise OciError(400, "UNSUPPORTED", "give repository and tag")
+    repository = repository_param(body.get("repository"))
+    require(request, ctx, repository, "delete")
+    name = str(body.get("tag"))
+    digest = ctx.registry.catalog.remove_tag(repository, name, ctx.event_record(
+        request, "untag", repository=repository, tag=name))
+    return {"digest": str(digest)}
+
+
+def add_event(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
+    """An event a command records about what it did (pull, verify, a refused load…)."""
+    if not isinstance(body, dict):
+        raise OciError(400, "UNSUPPORTED", "give the event")
+    action, outcome, detail = event_fields(body)
+    if not action or action in RESERVED:
+        raise OciError(400, "UNSUPPORTED", f"{action or 'an empty action'!r} is not an "
+                       "event a client records itself")
+    repository = body.get("repository")
+    digest = digest_param(str(body["digest"])) if body.get("digest") else None
+    if repository is not None:
+        require(request, ctx, repository_param(repository), "pull")
+    if digest is not None:
+        visible = visible_in(request, ctx, digest)
+        if repository is not None and repository not in visible:
+            raise OciError(404, "NAME_UNKNOWN", f"artifact {digest} is not in {repository}")
+    if repository is None and digest is None:
+        require(request, ctx, "*", "admin")
+    tag_name = body.get("tag")
+    ctx.event(request, action, outcome=outcome, repository=repository,
+              tag=str(tag_name) if tag_name is not None else None, digest=digest,
+              detail=detail)
+    return {}
+
+
+def add_attestation(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
+    """Store a statement (signed or not) about an artifact the caller may push to."""
+    from kvgraft.provenance import Statement
+
+    att = body.get("attestation") if isinstance(body, dict) else None
+    if not isinstance(att, dict):
+        raise OciError(400, "UNSUPPORTED", "give the attestation")
+    try:
+        record_in = wire.attestation_record(att)
+        statement = Statement.parse(record_in.statement)
+    except IntegrityError as e:
+        raise OciError(400, "MANIFEST_INVALID", f"invalid statement: {e.human()}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, UsageError) as e:
+        raise OciError(400, "UNSUPPORTED", f"malformed attestation: {e}") from None
+    digest = record_in.artifact
+    if all(s.digest != digest for s in statement.subjects):
+        raise OciError(400, "MANIFEST_INVALID", f"the statement is not about {digest}")
+    visible = visible_in(request, ctx, digest, "push")
+    action, _, detail = event_fields(body)
+    event_repo = body.get("event", {}).get("repository") if isinstance(
+        body.get("event"), dict) else None
+    stored = AttestationRecord(digest, record_in.predicate_type, record_in.statement,
+                               record_in.envelope, record_in.keyid)
+    event = ctx.event_record(request, "sign" if action == "sign" else "attest",
+                             repository=event_repo if event_repo in visible else visible[0],
+                             digest=digest, detail=detail)
+    return {"id": ctx.registry.catalog.add_attestation(stored, event)}

@@ -1,0 +1,1 @@
+"""What the Registry does, one service per act, over the backends it settled once."""
