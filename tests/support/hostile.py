@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.support.synthetic import write_synthetic
 
-HOSTILE = Path(__file__).parent / "data" / "hostile"
+HOSTILE = Path(__file__).parent.parent / "data" / "hostile"
 
 
 def _good(path: Path) -> bytes:
