@@ -485,44 +485,13 @@ class ByteGroupCodec:
             merge_planes(decoded, width, rotated, target, self._scratch)
 
 
+Plane = tuple[int, int]  # (method, stored length) as the segment descriptor gives it
+
+
 def _parse_body(body: memoryview, size: int
                 ) -> Iterator[tuple[int, bool, int, list[tuple[int, memoryview]]]]:
     """Validate the whole body layout against `size` before anything is decoded."""
-    at = 0
-
-    def read(fmt: struct.Struct) -> tuple[int, ...]:
-        nonlocal at
-        if at + fmt.size > body.nbytes:
-            raise IntegrityError("bytegroup body is truncated")
-        values = fmt.unpack_from(body, at)
-        at += fmt.size
-        return values
-
-    version, count = read(_HEAD)
-    if version != BODY_VERSION:
-        raise IntegrityError(f"bytegroup body has unknown version {version}")
-    # Each segment takes at least one descriptor and one plane entry: a count that could not
-    # fit in the body is corrupt (and must not drive a long loop).
-    if count * (_SEGMENT.size + _PLANE.size) > body.nbytes:
-        raise IntegrityError(f"bytegroup body claims {count} segments, more than it can hold")
-    segments = []
-    total = 0
-    for _ in range(count):
-        width, rotated, length = read(_SEGMENT)
-        if width not in WIDTHS or rotated not in (0, 1) or (rotated and width == 1):
-            raise IntegrityError(f"bytegroup segment has bad width {width} or rotation")
-        if length == 0 or length % width:
-            raise IntegrityError(f"bytegroup segment of {length} bytes does not fit width {width}")
-        total += length
-        if total > size:
-            raise IntegrityError(f"bytegroup body decodes to more than the declared {size} bytes")
-        planes = [read(_PLANE) for _ in range(width)]
-        for method, _ in planes:
-            if method not in (RAW, ZSTD):
-                raise IntegrityError(f"bytegroup plane has unknown method {method}")
-        segments.append((width, bool(rotated), length, planes))
-    if total != size:
-        raise IntegrityError(f"bytegroup body decodes to {total} bytes, expected {size}")
+    segments, at = _descriptors(body, size)
     for width, rotated, length, planes in segments:
         n = length // width
         views = []
@@ -536,6 +505,52 @@ def _parse_body(body: memoryview, size: int
         yield width, rotated, length, views
     if at != body.nbytes:
         raise IntegrityError(f"bytegroup body has {body.nbytes - at} bytes of trailing data")
+
+
+def _unpack(body: memoryview, at: int, fmt: struct.Struct) -> tuple[tuple[int, ...], int]:
+    """The values of `fmt` at `at`, and the offset after them."""
+    if at + fmt.size > body.nbytes:
+        raise IntegrityError("bytegroup body is truncated")
+    return fmt.unpack_from(body, at), at + fmt.size
+
+
+def _descriptors(body: memoryview, size: int
+                 ) -> tuple[list[tuple[int, bool, int, list[Plane]]], int]:
+    """The head and every segment descriptor, checked against `size`; and where the plane
+    data starts."""
+    (version, count), at = _unpack(body, 0, _HEAD)
+    if version != BODY_VERSION:
+        raise IntegrityError(f"bytegroup body has unknown version {version}")
+    # Each segment takes at least one descriptor and one plane entry: a count that could not
+    # fit in the body is corrupt (and must not drive a long loop).
+    if count * (_SEGMENT.size + _PLANE.size) > body.nbytes:
+        raise IntegrityError(f"bytegroup body claims {count} segments, more than it can hold")
+    segments = []
+    total = 0
+    for _ in range(count):
+        (width, rotated, length), at = _unpack(body, at, _SEGMENT)
+        _check_segment(width, rotated, length)
+        total += length
+        if total > size:
+            raise IntegrityError(f"bytegroup body decodes to more than the declared {size} bytes")
+        planes: list[Plane] = []
+        for _ in range(width):
+            (method, stored), at = _unpack(body, at, _PLANE)
+            planes.append((method, stored))
+        for method, _ in planes:
+            if method not in (RAW, ZSTD):
+                raise IntegrityError(f"bytegroup plane has unknown method {method}")
+        segments.append((width, bool(rotated), length, planes))
+    if total != size:
+        raise IntegrityError(f"bytegroup body decodes to {total} bytes, expected {size}")
+    return segments, at
+
+
+def _check_segment(width: int, rotated: int, length: int) -> None:
+    if width not in WIDTHS or rotated not in (0, 1) or (rotated and width == 1):
+        raise IntegrityError(f"bytegroup segment has bad width {width} or rotation")
+    if length == 0 or length % width:
+        raise IntegrityError(f"bytegroup segment of {length} bytes does not fit width {width}")
 
 
 def entropy_bound(data: Buffer) -> float:
