@@ -1,4 +1,4 @@
-"""References: `name[:tag]` or `name@sha256:<hex>` (DESIGN §4)."""
+"""References: `name[:tag]` or `name@sha256:<hex>` (docs/format.md §2)."""
 
 from __future__ import annotations
 

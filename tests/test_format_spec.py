@@ -247,10 +247,12 @@ def spec_decode(stored: bytes) -> bytes:
     assert stored[:4] == b"KVGB" and stored[4] == 1
     k = stored[5]
     name = stored[6 : 6 + k].decode("ascii")
-    (size,) = struct.unpack_from("<Q", stored, 6 + k)
+    size: int = struct.unpack_from("<Q", stored, 6 + k)[0]
     body = stored[14 + k :]
-    decoders = {"raw": lambda b, s: b, "zstd": spec_zstd, "zstd-bytegroup": spec_bytegroup}
-    return decoders[name](body, size)
+    if name == "raw":
+        assert len(body) == size
+        return body
+    return {"zstd": spec_zstd, "zstd-bytegroup": spec_bytegroup}[name](body, size)
 
 
 def test_stored_blobs_decode_by_the_text(pulled: Pulled) -> None:

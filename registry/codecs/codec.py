@@ -1,4 +1,4 @@
-"""Blob codecs and the self-describing stored-blob frame (DESIGN §3).
+"""Blob codecs and the self-describing stored-blob frame (docs/format.md §7).
 
 A stored blob is `KVGB | version | len(name) | name | decoded size (u64 LE) | body`, so any
 blob can be decoded without the catalog. Codecs are added by name and never changed: a new

@@ -1,4 +1,4 @@
-"""The KV file (DESIGN §2): a safetensors file holding one graft.
+"""The KV file (docs/format.md §4): a safetensors file holding one graft.
 
 The reader validates the header without touching tensor data, so a file of any size is
 described in O(header) memory; tensor bytes are then read with `pread` into caller buffers.

@@ -1,4 +1,4 @@
-"""The artifact manifest: frozen values, canonical JSON, schema validation (DESIGN §3).
+"""The artifact manifest: frozen values, canonical JSON, schema validation (docs/format.md §8).
 
 A manifest describes content only. Parsing validates against schemas/manifest.schema.json
 and the cross-field rules the schema cannot say, so a Manifest that exists is valid.

@@ -1,4 +1,4 @@
-"""The compatibility report: does a graft belong to this model? (DESIGN §6)
+"""The compatibility report: does a graft belong to this model? (docs/format.md §3)
 
 Identities are compared digest by digest; where the architecture digests differ, the
 config values the artifact recorded are compared with the live model's field by field, so

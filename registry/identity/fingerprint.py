@@ -1,4 +1,4 @@
-"""Model fingerprints (DESIGN §6): architecture, tokenizer and weights digests.
+"""Model fingerprints (docs/format.md §3): architecture, tokenizer and weights digests.
 
 - architecture: SHA-256 of the canonical JSON of every config field that decides the KV
   layout or what the cached numbers mean, plus the KV dtype (`kv_config`).

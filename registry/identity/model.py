@@ -1,4 +1,4 @@
-"""Model identity: the digests that decide whether a graft belongs to a model (DESIGN §6)."""
+"""Model identity: the digests deciding whether a graft belongs to a model (docs/format.md §3)."""
 
 from __future__ import annotations
 
