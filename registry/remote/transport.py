@@ -272,16 +272,23 @@ class Challenged:
 
     def __init__(self, credentials: Credentials | None) -> None:
         self.credentials = credentials
-        self._tokens: dict[str | None, str] = {}  # scope → bearer token from the realm
+        self._answers: dict[str | None, str] = {}  # scope → the header that was accepted
         self._lock = threading.Lock()
 
     def header(self, scope: str | None) -> str | None:
         with self._lock:
-            token = self._tokens.get(scope)
-        return f"Bearer {token}" if token else None
+            return self._answers.get(scope)
 
     def challenged(self, answer: Response, scope: str | None,
                    transport: Transport) -> str | None:
+        header = self._answer(answer, scope, transport)
+        if header is not None:
+            with self._lock:
+                self._answers[scope] = header
+        return header
+
+    def _answer(self, answer: Response, scope: str | None,
+                transport: Transport) -> str | None:
         kind, _, params = (answer.header("WWW-Authenticate") or "").partition(" ")
         if kind.lower() == "basic":
             return self.credentials.basic() if self.credentials else None
@@ -297,18 +304,18 @@ class Challenged:
         with transport.request("GET", f"{realm}{sep}{urlencode(query)}", headers=headers,
                                what=what, authorize=False) as r:
             if r.status in (401, 403):
-                raise AuthRefused(f"{realm} refused the credentials for {scope}: "
-                                  f"{r.error(what).message}",
+                said = _said(r.buffer())[1] or f"{r.status} {r.raw.reason}"
+                raise AuthRefused(f"{realm} refused the credentials for {scope}: {said}",
                                   hint=transport.peer.credentials_hint)
+            if r.status != 200:
+                raise Unavailable(f"{what}: answered {r.status} {r.raw.reason}")
             try:
-                doc = json.loads(r.expect((200,), what).read(MAX_TOKEN_BODY, what))
+                doc = json.loads(r.read(MAX_TOKEN_BODY, what))
                 token = doc.get("token") or doc.get("access_token")
             except (ValueError, AttributeError):
                 token = None
         if not isinstance(token, str) or not token:
             raise RegistryError(f"{realm} answered no token for {scope}")
-        with self._lock:
-            self._tokens[scope] = token
         return f"Bearer {token}"
 
 
@@ -389,11 +396,11 @@ class Transport:
                 if isinstance(body, list | tuple) else memoryview(body).nbytes
             headers["Content-Length"] = str(size)
         repeatable = method in IDEMPOTENT
-        tries = self.retries + 1 if repeatable else 1
-        for attempt in range(tries):
+        tries, stale = (self.retries + 1 if repeatable else 1), 1
+        while True:
             # Only what may be repeated rides a kept-alive line: one the server has
             # since closed fails, and a POST must not be sent twice.
-            conn = self._take(url, reuse=repeatable)
+            conn, reused = self._take(url, reuse=repeatable)
             try:
                 conn.request(method, path, body=body, headers=headers)
                 return Response(self, conn.getresponse(), conn, url)
@@ -402,24 +409,35 @@ class Transport:
                 raise unreachable(url, self.url, self.peer, what, e) from None
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
-                if attempt == tries - 1:
+                if reused and stale:
+                    # Idle as long as this one, the others are likely closed too.
+                    stale -= 1
+                    self._forget(url)
+                    continue
+                tries -= 1
+                if not tries:
                     raise unreachable(url, self.url, self.peer, what, e) from None
-        raise AssertionError("unreachable")
 
     # --- the pool ---------------------------------------------------------------------
 
-    def _take(self, url: str, *, reuse: bool) -> http.client.HTTPConnection:
-        key = origin(url)
+    def _take(self, url: str, *, reuse: bool) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection to the URL's origin (when `reuse`) or a new one; and which."""
         if reuse:
             with self._lock:
-                idle = self._idle.get(key)
+                idle = self._idle.get(origin(url))
                 if idle:
-                    return idle.pop()
+                    return idle.pop(), True
         parts = urlsplit(url)
         if parts.scheme == "https":
             return http.client.HTTPSConnection(parts.netloc, timeout=self.timeout,
-                                               context=self._context())
-        return http.client.HTTPConnection(parts.netloc, timeout=self.timeout)
+                                               context=self._context()), False
+        return http.client.HTTPConnection(parts.netloc, timeout=self.timeout), False
+
+    def _forget(self, url: str) -> None:
+        with self._lock:
+            idle = self._idle.pop(origin(url), [])
+        for conn in idle:
+            conn.close()
 
     def _give(self, url: str, conn: http.client.HTTPConnection, *, reusable: bool) -> None:
         if reusable:
