@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from kvgraft.digest import Digest
-from kvgraft.errors import UsageError
+from kvgraft.errors import InvalidName, UsageError
 
 _SEGMENT = r"[a-z0-9]+(?:[._-][a-z0-9]+)*"
 NAME_RE = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT})*")
@@ -17,9 +17,9 @@ DEFAULT_TAG = "latest"
 
 def check_name(name: str) -> str:
     if len(name) > MAX_NAME:
-        raise UsageError(f"repository name longer than {MAX_NAME} characters: {name[:40]!r}…")
+        raise InvalidName(f"repository name longer than {MAX_NAME} characters: {name[:40]!r}…")
     if not NAME_RE.fullmatch(name):
-        raise UsageError(
+        raise InvalidName(
             f"invalid repository name {name!r}",
             hint="use lowercase [a-z0-9] segments joined by '.', '_', '-' and '/'",
         )

@@ -39,13 +39,14 @@ EXPIRY = 2  # seconds; SigV4 dates are whole seconds, so a URL lives 1 to 2 s
 
 
 class Relay:
-    """A TCP relay to the S3 server: one request per connection (urllib closes each)."""
+    """A TCP relay to the S3 server. The client keeps connections alive, so the relay
+    splits what it is sent into requests (presigned GETs: headers, no body)."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self.listener.getsockname()[1]
-        self.requests: list[bytearray] = []  # what each client connection sent
+        self.requests: list[bytearray] = []  # each request a client sent
         self.cut_next: int | None = None  # forward this many response bytes, then close
         self.hold = 0.0  # seconds to stall before closing a cut response
         self.refuse = False  # close every connection at once
@@ -71,16 +72,19 @@ class Relay:
                 conn.close()
                 return
             cut, self.cut_next = self.cut_next, None
-            sent = bytearray()
-            self.requests.append(sent)
-        time.sleep(self.delay)
         upstream = socket.create_connection(self.target)
 
         def upward() -> None:
+            pending = bytearray()
             try:
                 while data := conn.recv(65536):
-                    sent.extend(data)
-                    upstream.sendall(data)
+                    pending += data
+                    while (end := pending.find(b"\r\n\r\n")) >= 0:
+                        request, pending = pending[:end + 4], pending[end + 4:]
+                        with self._lock:
+                            self.requests.append(request)
+                        time.sleep(self.delay)
+                        upstream.sendall(request)
             except OSError:
                 pass
 

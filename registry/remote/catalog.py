@@ -27,7 +27,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import NotFound
 from kvgraft.reference import Reference
 from kvgraft.remote import wire
-from kvgraft.remote.http import HttpRemote
+from kvgraft.remote.transport import JsonApi
 
 API = "/kvgraft/v1"
 T = TypeVar("T")
@@ -44,7 +44,7 @@ def _about(event: EventRecord | None) -> dict[str, Any]:
 
 
 class HttpCatalog:
-    def __init__(self, remote: HttpRemote) -> None:
+    def __init__(self, remote: JsonApi) -> None:
         self.remote = remote
         self.url = remote.url
 
@@ -66,7 +66,7 @@ class HttpCatalog:
             raise wire.malformed(what, e) from None
 
     def close(self) -> None:
-        pass  # every request is its own connection
+        self.remote.close()  # the kept-alive connections; a later request opens new ones
 
     # --- reads -------------------------------------------------------------------------
 

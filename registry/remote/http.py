@@ -11,63 +11,33 @@ from __future__ import annotations
 
 import http.client
 import json
-import ssl
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from kvgraft.blobstore.base import BlobInfo, too_large
 from kvgraft.digest import Buffer, Digest
-from kvgraft.errors import (
-    AuthRefused,
-    Conflict,
-    IntegrityError,
-    NotFound,
-    RegistryError,
-    Unavailable,
-    UsageError,
-)
+from kvgraft.errors import NotFound, RegistryError, Unavailable, UsageError
 from kvgraft.formats.manifest import Manifest
 from kvgraft.identity.model import ModelIdentity
 from kvgraft.reference import Reference
-from kvgraft.remote.presigned import Redirect, pieces, store_error
-from kvgraft.transfer.cache import Cache
+from kvgraft.remote.catalog import HttpCatalog
+from kvgraft.remote.transport import BearerToken, Peer, Transport, unreachable
+from kvgraft.transfer.cache import MAX_MANIFEST, Cache
 from kvgraft.transfer.pull import Fetcher, FetchStats, Progress, export, fetch
 
-if TYPE_CHECKING:
-    from kvgraft.remote.catalog import HttpCatalog
-
 RESUMES = 3  # times one blob transfer is resumed after a broken connection
-TIMEOUT = 60.0
-
-
-# OCI error codes that mean the content itself is wrong (exit 4), whatever the status.
-_INTEGRITY_CODES = frozenset({"DIGEST_INVALID", "MANIFEST_INVALID", "MANIFEST_BLOB_UNKNOWN",
-                              "BLOB_UPLOAD_INVALID", "SIZE_INVALID"})
-
-
-def _error(e: urllib.error.HTTPError, what: str) -> RegistryError:
-    code = ""
-    try:
-        first = json.loads(e.read())["errors"][0]
-        message, code = first["message"], str(first.get("code", ""))
-    except (ValueError, KeyError, IndexError, TypeError):
-        message = e.reason
-    if e.code in (401, 403):
-        return AuthRefused(f"{what}: {message}", hint="check the token and its scopes")
-    if e.code == 404:
-        return NotFound(f"{what}: {message}")
-    if code in _INTEGRITY_CODES:
-        return IntegrityError(f"{what}: {message}")
-    if e.code == 409:
-        return Conflict(f"{what}: {message}")
-    if e.code < 500:
-        return UsageError(f"{what}: {message}")
-    return Unavailable(f"{what}: server answered {e.code}: {message}")
+MAX_ANSWER = 256 << 20  # a JSON answer (a long event log, a big listing) at most
+SERVER = Peer(
+    name="the kvgraft server", short="the server",
+    credentials_hint="check the token and its scopes",
+    store_hint="an expired URL is asked for again; if this persists, check the clocks and "
+               "KVGRAFT_S3_PUBLIC_ENDPOINT_URL on the server",
+    store_reach_hint="the server's KVGRAFT_S3_PUBLIC_ENDPOINT_URL must name an endpoint "
+                     "clients reach")
 
 
 @dataclass(frozen=True)
@@ -85,74 +55,33 @@ class HttpRemote:
             raise UsageError(f"cannot read token file {token_file}: {e.strerror}") from None
         return cls(url.rstrip("/"), token, cafile)
 
-    def _context(self) -> ssl.SSLContext | None:
-        if not self.url.startswith("https:"):
-            return None
-        return ssl.create_default_context(cafile=str(self.cafile) if self.cafile else None)
+    @cached_property
+    def transport(self) -> Transport:
+        return Transport(self.url, SERVER, auth=BearerToken(self.token), cafile=self.cafile)
 
-    def request(self, path: str, *, headers: dict[str, str] | None = None,
-                what: str) -> Any:
-        """GET `path` on the server, with the token; or a full store URL the server
-        redirected to before (a resume), without it."""
-        direct = "://" in path
-        url = path if direct else f"{self.url}{path}"
-        auth = {} if direct else {"Authorization": f"Bearer {self.token}"}
-        req = urllib.request.Request(url, headers={**auth, **(headers or {})})
-        redirect = Redirect()
-        handlers: list[urllib.request.BaseHandler] = [redirect]
-        if context := self._context():
-            handlers.append(urllib.request.HTTPSHandler(context=context))
-        try:
-            return urllib.request.build_opener(*handlers).open(req, timeout=TIMEOUT)
-        except urllib.error.HTTPError as e:
-            raise (store_error(e, what) if e.url != url or direct else _error(e, what)) \
-                from None
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            if redirect.target or direct:
-                where = urllib.parse.urlsplit(redirect.target or url).netloc
-                raise Unavailable(f"{what}: cannot reach the blob store at {where} that the "
-                                  f"server redirected to: {reason}",
-                                  hint="the server's KVGRAFT_S3_PUBLIC_ENDPOINT_URL must "
-                                       "name an endpoint clients reach") from None
-            raise Unavailable(f"{what}: cannot reach {self.url}: {reason}") from None
+    def close(self) -> None:
+        self.transport.close()
 
     def send(self, method: str, path: str, body: Any = None, *,
              data: Sequence[Buffer] | None = None, what: str) -> Any:
         """One request with a JSON body (`body`) or raw bytes (`data`); the decoded JSON
         answer. A GET or PUT (an upload) is idempotent, so a broken connection retries it;
         a POST is not retried (an untag or an attestation must not happen twice)."""
-        headers = {"Authorization": f"Bearer {self.token}"}
-        payload: Any = None
+        headers: dict[str, str] = {}
+        payload: bytes | list[Buffer] | None = None
         if body is not None:
             payload = json.dumps(body).encode()
             headers["Content-Type"] = "application/json"
         elif data is not None:
             payload = list(data)  # re-iterable: a retry sends it again
             headers["Content-Type"] = "application/octet-stream"
-            headers["Content-Length"] = str(sum(memoryview(d).nbytes for d in data))
-        req = urllib.request.Request(f"{self.url}{path}", data=payload, method=method,
-                                     headers=headers)
-        tries = RESUMES + 1 if method in ("GET", "PUT") else 1
-        for attempt in range(tries):
-            try:
-                with urllib.request.urlopen(req, timeout=TIMEOUT,
-                                            context=self._context()) as r:
-                    answer = r.read()
-            except urllib.error.HTTPError as e:
-                raise _error(e, what) from None
-            except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-                if attempt == tries - 1:
-                    reason = getattr(e, "reason", e)
-                    raise Unavailable(f"{what}: cannot reach {self.url}: {reason}") from None
-                continue
-            try:
-                return json.loads(answer or b"null")
-            except ValueError:
-                raise Unavailable(f"{what}: {self.url} answered something that is not JSON",
-                                  hint="is the remote's URL that of a kvgraft server?"
-                                  ) from None
-        raise AssertionError("unreachable")
+        answer = self.transport.call(method, path, body=payload, headers=headers, what=what,
+                                     limit=MAX_ANSWER)
+        try:
+            return json.loads(answer or b"null")
+        except ValueError:
+            raise Unavailable(f"{what}: {self.url} answered something that is not JSON",
+                              hint="is the remote's URL that of a kvgraft server?") from None
 
     def match(self, identity: ModelIdentity, token_ids: Sequence[int]) -> dict[str, Any] | None:
         """The server's longest cached prefix of `token_ids` for `identity`, among the
@@ -163,20 +92,17 @@ class HttpRemote:
         return dict(found) if found else None
 
     def catalog(self) -> HttpCatalog:
-        from kvgraft.remote.catalog import HttpCatalog
-
         return HttpCatalog(self)
 
     def resolve(self, ref: Reference) -> Digest:
-        q = urllib.parse.urlencode({"ref": str(ref)})
-        with self.request(f"/kvgraft/v1/resolve?{q}", what=f"resolve {ref}") as r:
-            return Digest.parse(json.loads(r.read())["digest"])
+        return self.catalog().resolve(ref)
 
     def manifest(self, repository: str, digest: Digest) -> Manifest:
         """The kvgraft manifest, checked against its digest (Manifest.parse does)."""
-        with self.request(f"/v2/{repository}/blobs/{digest}",
-                          what=f"manifest {digest}") as r:
-            return Manifest.parse(r.read(), digest)
+        what = f"manifest {digest}"
+        raw = self.transport.call("GET", f"/v2/{repository}/blobs/{digest}", what=what,
+                                  limit=MAX_MANIFEST)
+        return Manifest.parse(raw, digest)
 
     def store(self, repository: str) -> HttpStore:
         return HttpStore(self, repository)
@@ -209,8 +135,8 @@ class HttpStore:
         return f"{self.remote.url}/{self.repository}"
 
     def get(self, digest: Digest, max_size: int | None = None) -> bytes:
-        q = urllib.parse.urlencode({"repository": self.repository})
-        path = f"/kvgraft/v1/stored/{digest}?{q}"
+        path = f"/kvgraft/v1/stored/{digest}?{self._query()}"
+        transport, what = self.remote.transport, f"blob {digest}"
         parts: list[bytes] = []
         got = 0
         total: int | None = None
@@ -218,17 +144,18 @@ class HttpStore:
         for attempt in range(RESUMES + 1):
             headers = {"Range": f"bytes={got}-"} if got else {}
             try:
-                with self.remote.request(location or path, headers=headers,
-                                         what=f"blob {digest}") as r:
-                    if r.url != f"{self.remote.url}{path}":
+                with transport.request("GET", location or path, headers=headers,
+                                       what=what) as r:
+                    r.expect((200, 206), what)
+                    if r.url != transport.url + path:
                         location = r.url
                     if r.status != 206:  # the whole blob (a range not honoured: again)
                         parts.clear()
                         got = 0
-                        total = int(r.headers.get("Content-Length", "-1"))
+                        total = int(r.header("Content-Length") or "-1")
                         if max_size is not None and total > max_size:
                             raise too_large(digest, self.url, total, max_size)
-                    for piece in pieces(r):
+                    for piece in r.pieces():
                         parts.append(piece)
                         got += len(piece)
                         if max_size is not None and got > max_size:
@@ -241,9 +168,12 @@ class HttpStore:
                 location = None
                 if attempt == RESUMES:
                     raise
-            except (OSError, http.client.HTTPException):
+            except RegistryError:  # refused or missing (an OSError too): no resume helps
+                raise
+            except (OSError, http.client.HTTPException) as e:
                 if attempt == RESUMES:
-                    raise
+                    raise unreachable(location or transport.url, transport.url, SERVER,
+                                      what, e) from None
         raise Unavailable(f"blob {digest}: transfer from {self.remote.url} stayed short "
                           f"({got} of {total} bytes)")
 

@@ -139,11 +139,10 @@ def _held(ctx: Context, repository: str, ref: BlobRef) -> BlobRecord | None:
     return BlobRecord(ref.digest, ref.size, info.stored_size, codec)
 
 
-def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
-    """Commit a push: the manifest must parse and hash to its digest, and the repository
-    must hold every blob it names; the rows come from the store, not the client."""
-    from kvgraft.transfer.gc import ensure_blobs
-
+def _pushed_manifest(request: Request, ctx: Context, body: Any,
+                     ) -> tuple[str, str | None, dict[str, str], Manifest]:
+    """The repository, tag, labels and parsed manifest of a push commit, once the caller
+    may push there."""
     if not isinstance(body, dict) or not isinstance(body.get("manifest"), str):
         raise OciError(400, "MANIFEST_INVALID", "give the manifest's canonical JSON")
     repository = repository_param(body.get("repository"))
@@ -161,8 +160,11 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     except (IntegrityError, AttributeError) as e:
         why = e.human() if isinstance(e, IntegrityError) else str(e)
         raise OciError(400, "MANIFEST_INVALID", why) from None
-    for parent in manifest.parents:
-        visible_in(request, ctx, parent)
+    return repository, tag, labels, manifest
+
+
+def _held_blobs(ctx: Context, repository: str, manifest: Manifest) -> tuple[BlobRecord, ...]:
+    """The rows of every blob the manifest names, from what the repository holds."""
     records, missing = [], []
     for ref in manifest.blobs():
         held = _held(ctx, repository, ref)
@@ -175,13 +177,25 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
                        f"{repository} does not hold {len(missing)} of the blobs the manifest "
                        f"names (first {missing[0]}): upload them first",
                        detail={"missing": missing[:100]})
+    return tuple(records)
+
+
+def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
+    """Commit a push: the manifest must parse and hash to its digest, and the repository
+    must hold every blob it names; the rows come from the store, not the client."""
+    from kvgraft.transfer.gc import ensure_blobs
+
+    repository, tag, labels, manifest = _pushed_manifest(request, ctx, body)
+    for parent in manifest.parents:
+        visible_in(request, ctx, parent)
+    records = _held_blobs(ctx, repository, manifest)
     action, _, detail = event_fields(body)
     event = ctx.event_record(request, "copy" if action == "copy" else "push",
                              repository=repository, tag=tag, digest=manifest.digest,
                              detail=detail)
     catalog = ctx.registry.catalog
-    outcome = catalog.record_push(PushRecord(manifest, tuple(records), repository, tag,
-                                             labels, event))
+    outcome = catalog.record_push(PushRecord(manifest, records, repository, tag, labels,
+                                             event))
 
     def lost() -> list[BlobRecord]:
         raise Conflict(f"a gc deleted blobs of {manifest.digest} while it was pushed",

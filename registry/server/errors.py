@@ -6,15 +6,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from kvgraft.errors import (
-    AuthRefused,
-    Conflict,
-    IntegrityError,
-    NotFound,
-    RegistryError,
-    Unavailable,
-    UsageError,
-)
+from kvgraft.errors import RegistryError
 
 
 class OciError(Exception):
@@ -31,19 +23,8 @@ class OciError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
-def from_registry_error(e: RegistryError, *, unknown: str = "NAME_UNKNOWN") -> OciError:
-    """The OCI error for a library error; `unknown` is the code a NotFound gets here."""
-    text = e.human()
-    if isinstance(e, AuthRefused):
-        return OciError(401, "UNAUTHORIZED", text)
-    if isinstance(e, NotFound):
-        return OciError(404, unknown, text)
-    if isinstance(e, UsageError):
-        return OciError(400, "NAME_INVALID" if "name" in e.message else "UNSUPPORTED", text)
-    if isinstance(e, IntegrityError):
-        return OciError(400, "DIGEST_INVALID", text)
-    if isinstance(e, Conflict):
-        return OciError(409, "DENIED", text)
-    if isinstance(e, Unavailable):
-        return OciError(503, "UNAVAILABLE", text)
-    return OciError(500, "UNKNOWN", text)
+def from_registry_error(e: RegistryError) -> OciError:
+    """The OCI error for a library error, chosen by its type: the class names its HTTP
+    status and OCI code (errors.InvalidName is NAME_INVALID, any other UsageError
+    UNSUPPORTED)."""
+    return OciError(e.http_status, e.oci_code, e.human())

@@ -402,15 +402,14 @@ def _descriptor(d: Any, what: str) -> tuple[str, int, str]:
     return _digest(str(d.get("digest", "")), "MANIFEST_INVALID"), d["size"], d["mediaType"]
 
 
-def _put_manifest(request: Request, ctx: Context, name: str, ref: str, raw: bytes,
-                  ) -> Response:
-    digest = str(Digest.of(raw))
-    tags: list[str] = []
+def _manifest_tags(request: Request, ref: str, digest: str) -> list[str]:
+    """The tags a manifest PUT sets: the reference, or (pushed by digest, spec 1.1.1) the
+    ?tag= parameters; a digest reference must be what the bytes hash to."""
     if ref.startswith("sha256:") or ":" in ref:
         if _digest(ref) != digest:
             raise OciError(400, "DIGEST_INVALID",
                            f"manifest bytes hash to {digest}, not {ref[:80]}")
-        tags = request.query_params.getlist("tag")  # spec 1.1.1: push by digest with tags
+        tags = request.query_params.getlist("tag")
     else:
         tags = [ref]
     for tag in tags:
@@ -418,6 +417,11 @@ def _put_manifest(request: Request, ctx: Context, name: str, ref: str, raw: byte
             check_tag(tag)
         except UsageError:
             raise OciError(400, "MANIFEST_INVALID", f"invalid tag {tag[:80]!r}") from None
+    return tags
+
+
+def _manifest_doc(request: Request, raw: bytes) -> tuple[dict[str, Any], str]:
+    """The manifest's JSON object and its media type (named inside, or by Content-Type)."""
     try:
         doc = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
@@ -431,42 +435,62 @@ def _put_manifest(request: Request, ctx: Context, name: str, ref: str, raw: byte
     if doc.get("mediaType") and header_type and header_type != doc["mediaType"]:
         raise OciError(400, "MANIFEST_INVALID",
                        f"Content-Type {header_type} differs from mediaType {doc['mediaType']}")
+    return doc, media_type
+
+
+def _check_index(ctx: Context, name: str, doc: dict[str, Any]) -> None:
+    """An index: every manifest it names must be in the repository."""
+    entries = doc["manifests"]
+    if not isinstance(entries, list):
+        raise OciError(400, "MANIFEST_INVALID", "manifests must be a list")
+    for i, entry in enumerate(entries):
+        child, _, _ = _descriptor(entry, f"manifests[{i}]")
+        if ctx.oci.manifest(name, child) is None and ctx.oci.graft_for(name, child) is None:
+            raise OciError(400, "MANIFEST_BLOB_UNKNOWN",
+                           f"manifest {child} named by the index is not in {name}",
+                           detail={"digest": child})
+
+
+def _manifest_blobs(ctx: Context, name: str, doc: dict[str, Any]) -> tuple[list[str], str]:
+    """The distributable blobs an image manifest names, each held by the repository at
+    the size the manifest says; and the config's media type (the default artifact type)."""
+    layers = doc.get("layers", [])
+    if not isinstance(layers, list):
+        raise OciError(400, "MANIFEST_INVALID", "layers must be a list")
+    described = [_descriptor(doc.get("config"), "config")] + [
+        _descriptor(x, f"layers[{i}]") for i, x in enumerate(layers)]
+    blobs: list[str] = []
+    for i, (blob, size, mt) in enumerate(described):
+        distributable = _NONDISTRIBUTABLE not in mt and not (
+            i and isinstance(layers[i - 1], dict) and layers[i - 1].get("urls"))
+        if not distributable:
+            continue
+        have = _blob_size(ctx, name, blob) if _known(ctx, name, blob) else None
+        if have is None:
+            raise OciError(400, "MANIFEST_BLOB_UNKNOWN",
+                           f"blob {blob} named by the manifest is not in {name}",
+                           detail={"digest": blob})
+        if have != size:
+            raise OciError(400, "MANIFEST_INVALID",
+                           f"blob {blob} holds {have} bytes, the manifest says {size}",
+                           detail={"digest": blob})
+        blobs.append(blob)
+    return blobs, described[0][2]
+
+
+def _put_manifest(request: Request, ctx: Context, name: str, ref: str, raw: bytes,
+                  ) -> Response:
+    digest = str(Digest.of(raw))
+    tags = _manifest_tags(request, ref, digest)
+    doc, media_type = _manifest_doc(request, raw)
     blobs: list[str] = []
     artifact_type = doc.get("artifactType")
-    if "manifests" in doc:  # an index: every manifest it names must be here
-        entries = doc["manifests"]
-        if not isinstance(entries, list):
-            raise OciError(400, "MANIFEST_INVALID", "manifests must be a list")
-        for i, entry in enumerate(entries):
-            child, _, _ = _descriptor(entry, f"manifests[{i}]")
-            if ctx.oci.manifest(name, child) is None and ctx.oci.graft_for(name, child) is None:
-                raise OciError(400, "MANIFEST_BLOB_UNKNOWN",
-                               f"manifest {child} named by the index is not in {name}",
-                               detail={"digest": child})
+    if "manifests" in doc:
+        _check_index(ctx, name, doc)
     else:
-        config = doc.get("config")
-        layers = doc.get("layers", [])
-        if not isinstance(layers, list):
-            raise OciError(400, "MANIFEST_INVALID", "layers must be a list")
-        described = [_descriptor(config, "config")] + [
-            _descriptor(x, f"layers[{i}]") for i, x in enumerate(layers)]
+        blobs, config_type = _manifest_blobs(ctx, name, doc)
         if artifact_type is None:
-            artifact_type = described[0][2]
-        for i, (blob, size, mt) in enumerate(described):
-            distributable = _NONDISTRIBUTABLE not in mt and not (
-                i and isinstance(layers[i - 1], dict) and layers[i - 1].get("urls"))
-            if not distributable:
-                continue
-            have = _blob_size(ctx, name, blob) if _known(ctx, name, blob) else None
-            if have is None:
-                raise OciError(400, "MANIFEST_BLOB_UNKNOWN",
-                               f"blob {blob} named by the manifest is not in {name}",
-                               detail={"digest": blob})
-            if have != size:
-                raise OciError(400, "MANIFEST_INVALID",
-                               f"blob {blob} holds {have} bytes, the manifest says {size}",
-                               detail={"digest": blob})
-            blobs.append(blob)
+            artifact_type = config_type
     subject = None
     if doc.get("subject") is not None:
         subject, _, _ = _descriptor(doc["subject"], "subject")
