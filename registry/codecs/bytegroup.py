@@ -30,7 +30,7 @@ import json
 import math
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -485,16 +485,28 @@ class ByteGroupCodec:
             merge_planes(decoded, width, rotated, target, self._scratch)
 
 
+Layout = list[tuple[int, bool, int, list[tuple[int, int, int]]]]
+
+
 def _parse_body(body: memoryview, size: int
                 ) -> Iterator[tuple[int, bool, int, list[tuple[int, memoryview]]]]:
     """Validate the whole body layout against `size` before anything is decoded."""
+    for width, rotated, length, planes in parse_layout(
+            lambda at, n: body[at : at + n], body.nbytes, size):
+        yield width, rotated, length, [(m, body[at : at + n]) for m, at, n in planes]
+
+
+def parse_layout(read_at: Callable[[int, int], Buffer], nbytes: int, size: int) -> Layout:
+    """The segments of a body of `nbytes` (read through `read_at(offset, n)`) that must
+    decode to `size` bytes: (width, rotated, length, [(method, offset, stored length)]),
+    every length checked against `size` and the body before anything is decoded."""
     at = 0
 
     def read(fmt: struct.Struct) -> tuple[int, ...]:
         nonlocal at
-        if at + fmt.size > body.nbytes:
+        if at + fmt.size > nbytes:
             raise IntegrityError("bytegroup body is truncated")
-        values = fmt.unpack_from(body, at)
+        values = fmt.unpack(read_at(at, fmt.size))
         at += fmt.size
         return values
 
@@ -503,7 +515,7 @@ def _parse_body(body: memoryview, size: int
         raise IntegrityError(f"bytegroup body has unknown version {version}")
     # Each segment takes at least one descriptor and one plane entry: a count that could not
     # fit in the body is corrupt (and must not drive a long loop).
-    if count * (_SEGMENT.size + _PLANE.size) > body.nbytes:
+    if count * (_SEGMENT.size + _PLANE.size) > nbytes:
         raise IntegrityError(f"bytegroup body claims {count} segments, more than it can hold")
     segments = []
     total = 0
@@ -523,19 +535,21 @@ def _parse_body(body: memoryview, size: int
         segments.append((width, bool(rotated), length, planes))
     if total != size:
         raise IntegrityError(f"bytegroup body decodes to {total} bytes, expected {size}")
+    layout: Layout = []
     for width, rotated, length, planes in segments:
         n = length // width
-        views = []
+        placed = []
         for method, stored in planes:
-            if at + stored > body.nbytes:
+            if at + stored > nbytes:
                 raise IntegrityError("bytegroup body is truncated")
             if method == RAW and stored != n:
                 raise IntegrityError(f"raw plane holds {stored} bytes, expected {n}")
-            views.append((method, body[at : at + stored]))
+            placed.append((method, at, stored))
             at += stored
-        yield width, rotated, length, views
-    if at != body.nbytes:
-        raise IntegrityError(f"bytegroup body has {body.nbytes - at} bytes of trailing data")
+        layout.append((width, rotated, length, placed))
+    if at != nbytes:
+        raise IntegrityError(f"bytegroup body has {nbytes - at} bytes of trailing data")
+    return layout
 
 
 def entropy_bound(data: Buffer) -> float:
