@@ -84,9 +84,10 @@ def open_blob(store: BlobStore, digest: str, size: int, start: int = 0,
             raise IntegrityError(f"stored blob {digest} declares {declared} bytes, "
                                  f"expected {size}")
         if name != "raw":
-            seekable_f = seekable(f, max_stored_size(size))
-            pieces = decoded_pieces(seekable_f, size)  # checks the frame before a byte goes
-            return Body(_stream_decoded(seekable_f, pieces, d, size, start, end), end - start)
+            f.close()  # read from the start again, and at will (a store stream is spooled)
+            f = seekable(store.open(d), max_stored_size(size))
+            pieces = decoded_pieces(f, size)  # checks the frame before a byte goes
+            return Body(_stream_decoded(f, pieces, d, size, start, end), end - start)
     except BaseException:
         f.close()
         raise
