@@ -302,6 +302,11 @@ def verify(ctx: click.Context, ref: str | None, all_: bool, repair: bool, source
                              + "; ".join(failures))
 
 
+# A server's catalog is migrated where it runs: through a server there is no catalog here
+# (opening one would quietly make a local one instead).
+_DB_DIRECT = "run it on the server's host with a direct remote (--catalog, --store)"
+
+
 @cli.group()
 def db() -> None:
     """Catalog schema migrations."""
@@ -315,6 +320,7 @@ def db_upgrade(ctx: click.Context) -> None:
     from kvgraft.catalog.schema import head_revision
 
     reg = current_registry(ctx)
+    reg.direct_only("db upgrade", _DB_DIRECT)
     reg.require_online("the catalog")
     catalog = Catalog.open(reg.config.catalog_url, auto_upgrade=True)
     catalog.close()
@@ -331,6 +337,7 @@ def db_current(ctx: click.Context, as_json: bool) -> None:
     from kvgraft.catalog.schema import head_revision
 
     reg = current_registry(ctx)
+    reg.direct_only("db current", _DB_DIRECT)
     reg.require_online("the catalog")
     catalog = Catalog(make_engine(reg.config.catalog_url), reg.config.catalog_url)
     current, head = catalog.current_revision(), head_revision()

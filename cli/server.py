@@ -27,6 +27,15 @@ def _tokens(catalog: Catalog) -> TokenTable:
     return TokenTable(catalog)
 
 
+def _token_registry(ctx: click.Context, what: str) -> Registry:
+    # Tokens live in the server's own catalog, which a client reaches only through the API
+    # the tokens guard: they are made on the server's host.
+    reg = current_registry(ctx)
+    reg.direct_only(what, "run it on the server's host with a direct remote (--catalog, "
+                          "--store)")
+    return reg
+
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=5000, show_default=True)
@@ -38,8 +47,22 @@ def _tokens(catalog: Catalog) -> TokenTable:
 @click.option("--public", "public", multiple=True, metavar="PATTERN",
               help="Repositories anyone may pull without a token (repeatable, e.g. 'demo/*').")
 @click.option("--max-upload", "max_upload", type=click.IntRange(1), default=8 << 30,
-              show_default=True, help="Largest blob accepted, in bytes.")
-@click.option("--max-open-uploads", type=click.IntRange(1), default=64, show_default=True)
+              show_default=True, help="Largest blob accepted, in bytes (its decoded size).")
+@click.option("--max-open-uploads", type=click.IntRange(1), default=64, show_default=True,
+              help="Open uploads at once, in all.")
+@click.option("--max-open-uploads-per-token", type=click.IntRange(1), default=16,
+              show_default=True, help="Open uploads at once for one token.")
+@click.option("--upload-ttl", type=click.FloatRange(1), default=3600, show_default=True,
+              metavar="SECONDS", help="Remove an upload nothing was written to for this long.")
+@click.option("--header-timeout", type=click.FloatRange(0.1), default=10, show_default=True,
+              metavar="SECONDS", help="Time a connection has to send a request's headers.")
+@click.option("--body-timeout", type=click.FloatRange(0.1), default=20, show_default=True,
+              metavar="SECONDS", help="Window over which a request body must arrive at "
+                                      "--min-body-rate (else 408 and closed).")
+@click.option("--min-body-rate", type=click.IntRange(0), default=1024, show_default=True,
+              metavar="BYTES/S", help="Slowest request body accepted, averaged per window.")
+@click.option("--max-connections", type=click.IntRange(1), default=512, show_default=True,
+              help="Connections at once per worker (lowered to fit the open-file limit).")
 @click.option("--upload-dir", type=click.Path(path_type=Path, file_okay=False),
               help="Where open uploads live (default $KVGRAFT_HOME/uploads).")
 @click.option("--behind-proxy", metavar="IPS",
@@ -54,7 +77,9 @@ def _tokens(catalog: Catalog) -> TokenTable:
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path | None,
           keyfile: Path | None, public: tuple[str, ...], max_upload: int,
-          max_open_uploads: int, upload_dir: Path | None, behind_proxy: str | None,
+          max_open_uploads: int, max_open_uploads_per_token: int, upload_ttl: float,
+          header_timeout: float, body_timeout: float, min_body_rate: int,
+          max_connections: int, upload_dir: Path | None, behind_proxy: str | None,
           redirect_blobs: bool, redirect_expiry: int) -> None:
     """Serve the catalog and store over HTTP: the OCI distribution API and /kvgraft/v1."""
     from kvgraft.errors import UsageError
@@ -66,6 +91,10 @@ def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path
     settings = ServerSettings(upload_dir=(upload_dir or config.home / "uploads").absolute(),
                               public=public, max_upload_bytes=max_upload,
                               max_open_uploads=max_open_uploads,
+                              max_open_uploads_per_token=max_open_uploads_per_token,
+                              upload_ttl_seconds=upload_ttl, header_timeout=header_timeout,
+                              body_timeout=body_timeout, min_body_rate=min_body_rate,
+                              max_connections=max_connections,
                               redirect_blobs=redirect_blobs, redirect_seconds=redirect_expiry)
     run(config, settings, host=host, port=port, workers=workers, certfile=certfile,
         keyfile=keyfile, forwarded_allow_ips=behind_proxy)
@@ -86,7 +115,7 @@ def token() -> None:
 def token_create(ctx: click.Context, scopes: tuple[str, ...], name: str | None,
                  expires: str | None, as_json: bool) -> None:
     """Create a token and print its secret, once."""
-    reg = current_registry(ctx)
+    reg = _token_registry(ctx, "token create")
     parsed = parse_scopes(scopes)
     table = _tokens(reg.catalog)
     expires_at = datetime.now(UTC) + parse_duration(expires) if expires else None
@@ -109,7 +138,7 @@ def token_create(ctx: click.Context, scopes: tuple[str, ...], name: str | None,
 def token_ls(ctx: click.Context, as_json: bool) -> None:
     """List tokens (never their secrets)."""
     now = datetime.now(UTC)
-    tokens = _tokens(current_registry(ctx).catalog).list()
+    tokens = _tokens(_token_registry(ctx, "token ls").catalog).list()
     if as_json:
         for t in tokens:
             emit_json(t.to_json(now))
@@ -125,7 +154,7 @@ def token_ls(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def token_revoke(ctx: click.Context, name: str) -> None:
     """Revoke a token: the server refuses it from its next request on."""
-    reg = current_registry(ctx)
+    reg = _token_registry(ctx, "token revoke")
     _tokens(reg.catalog).revoke(name)
     reg.catalog.add_event(reg._event("token-revoke", detail={"token": name}))
     err(f"token {name!r} revoked")

@@ -159,6 +159,15 @@ def test_what_only_a_direct_remote_can_do_is_refused_by_name(setup: Setup) -> No
     gc = run(setup.node, "--remote", "team", "gc", "--dry-run")
     assert gc.returncode == 2 and "gc cannot run through the kvgraft server" in gc.stderr
     assert "direct remote" in gc.stderr
+    # Tokens and schema migrations belong to the server's catalog: refused by name, and no
+    # local catalog is made on the client instead.
+    for args in (["token", "create", "--scope", "repository:team/*:pull"], ["token", "ls"],
+                 ["token", "revoke", "team-ro"], ["db", "upgrade"], ["db", "current"]):
+        done = run(setup.node, "--remote", "team", *args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert "cannot run through the kvgraft server" in done.stderr
+        assert setup.server.url in done.stderr and "Traceback" not in done.stderr
+    assert not list(Path(setup.node["KVGRAFT_HOME"]).glob("*.db"))
     ok(setup.node, "--remote", "team", "push", str(setup.src), "team/repair:v1")
     repair = run(setup.node, "--remote", "team", "verify", "team/repair:v1", "--repair")
     assert repair.returncode in (0, 2)  # nothing bad: repair has nothing to do

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import Select, delete, func, select
 
 from kvgraft.catalog.catalog import Catalog
 from kvgraft.catalog.models import (
@@ -68,13 +68,23 @@ class OciTables:
                 OciBlobLinkRow.repository == repository, OciBlobLinkRow.digest == digest))
             if size is not None:
                 return int(size)
-            size = s.scalar(select(BlobRow.size)
-                            .join(ArtifactBlobRow, ArtifactBlobRow.blob_digest == BlobRow.digest)
-                            .join(RepositoryArtifactRow, RepositoryArtifactRow.artifact_digest
-                                  == ArtifactBlobRow.artifact_digest)
-                            .where(BlobRow.digest == digest,
-                                   RepositoryArtifactRow.repository == repository).limit(1))
+            size = s.scalar(self._graft_blob_size(repository, digest))
             return None if size is None else int(size)
+
+    def in_graft(self, repository: str, digest: str) -> bool:
+        """Whether blob `digest` is a chunk of a graft in `repository` (whatever links the
+        repository also keeps for it: the upload that brought it in makes one)."""
+        with self.catalog._session() as s:
+            return s.scalar(self._graft_blob_size(repository, digest)) is not None
+
+    @staticmethod
+    def _graft_blob_size(repository: str, digest: str) -> Select[int]:
+        return (select(BlobRow.size)
+                .join(ArtifactBlobRow, ArtifactBlobRow.blob_digest == BlobRow.digest)
+                .join(RepositoryArtifactRow, RepositoryArtifactRow.artifact_digest
+                      == ArtifactBlobRow.artifact_digest)
+                .where(BlobRow.digest == digest,
+                       RepositoryArtifactRow.repository == repository).limit(1))
 
     def graft_in(self, repository: str, digest: str) -> bool:
         """Whether `digest` is a graft's artifact digest in `repository`."""

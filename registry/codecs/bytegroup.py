@@ -30,7 +30,7 @@ import json
 import math
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -486,56 +486,69 @@ class ByteGroupCodec:
 
 
 Plane = tuple[int, int]  # (method, stored length) as the segment descriptor gives it
+Layout = list[tuple[int, bool, int, list[tuple[int, int, int]]]]
 
 
 def _parse_body(body: memoryview, size: int
                 ) -> Iterator[tuple[int, bool, int, list[tuple[int, memoryview]]]]:
     """Validate the whole body layout against `size` before anything is decoded."""
-    segments, at = _descriptors(body, size)
+    for width, rotated, length, planes in parse_layout(
+            lambda at, n: body[at : at + n], body.nbytes, size):
+        yield width, rotated, length, [(m, body[at : at + n]) for m, at, n in planes]
+
+
+def parse_layout(read_at: Callable[[int, int], Buffer], nbytes: int, size: int) -> Layout:
+    """The segments of a body of `nbytes` (read through `read_at(offset, n)`) that must
+    decode to `size` bytes: (width, rotated, length, [(method, offset, stored length)]),
+    every length checked against `size` and the body before anything is decoded."""
+    segments, at = _descriptors(read_at, nbytes, size)
+    layout: Layout = []
     for width, rotated, length, planes in segments:
         n = length // width
-        views = []
+        placed = []
         for method, stored in planes:
-            if at + stored > body.nbytes:
+            if at + stored > nbytes:
                 raise IntegrityError("bytegroup body is truncated")
             if method == RAW and stored != n:
                 raise IntegrityError(f"raw plane holds {stored} bytes, expected {n}")
-            views.append((method, body[at : at + stored]))
+            placed.append((method, at, stored))
             at += stored
-        yield width, rotated, length, views
-    if at != body.nbytes:
-        raise IntegrityError(f"bytegroup body has {body.nbytes - at} bytes of trailing data")
+        layout.append((width, rotated, length, placed))
+    if at != nbytes:
+        raise IntegrityError(f"bytegroup body has {nbytes - at} bytes of trailing data")
+    return layout
 
 
-def _unpack(body: memoryview, at: int, fmt: struct.Struct) -> tuple[tuple[int, ...], int]:
+def _unpack(read_at: Callable[[int, int], Buffer], nbytes: int, at: int,
+            fmt: struct.Struct) -> tuple[tuple[int, ...], int]:
     """The values of `fmt` at `at`, and the offset after them."""
-    if at + fmt.size > body.nbytes:
+    if at + fmt.size > nbytes:
         raise IntegrityError("bytegroup body is truncated")
-    return fmt.unpack_from(body, at), at + fmt.size
+    return fmt.unpack(read_at(at, fmt.size)), at + fmt.size
 
 
-def _descriptors(body: memoryview, size: int
+def _descriptors(read_at: Callable[[int, int], Buffer], nbytes: int, size: int
                  ) -> tuple[list[tuple[int, bool, int, list[Plane]]], int]:
     """The head and every segment descriptor, checked against `size`; and where the plane
     data starts."""
-    (version, count), at = _unpack(body, 0, _HEAD)
+    (version, count), at = _unpack(read_at, nbytes, 0, _HEAD)
     if version != BODY_VERSION:
         raise IntegrityError(f"bytegroup body has unknown version {version}")
     # Each segment takes at least one descriptor and one plane entry: a count that could not
     # fit in the body is corrupt (and must not drive a long loop).
-    if count * (_SEGMENT.size + _PLANE.size) > body.nbytes:
+    if count * (_SEGMENT.size + _PLANE.size) > nbytes:
         raise IntegrityError(f"bytegroup body claims {count} segments, more than it can hold")
     segments = []
     total = 0
     for _ in range(count):
-        (width, rotated, length), at = _unpack(body, at, _SEGMENT)
+        (width, rotated, length), at = _unpack(read_at, nbytes, at, _SEGMENT)
         _check_segment(width, rotated, length)
         total += length
         if total > size:
             raise IntegrityError(f"bytegroup body decodes to more than the declared {size} bytes")
         planes: list[Plane] = []
         for _ in range(width):
-            (method, stored), at = _unpack(body, at, _PLANE)
+            (method, stored), at = _unpack(read_at, nbytes, at, _PLANE)
             planes.append((method, stored))
         for method, _ in planes:
             if method not in (RAW, ZSTD):

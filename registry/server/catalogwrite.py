@@ -4,17 +4,21 @@ events and attestations (see catalogapi)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import mmap
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from kvgraft.blobstore import BlobStore
 from kvgraft.catalog.records import AttestationRecord, BlobRecord, PushRecord
 from kvgraft.client import check_labels
 from kvgraft.codecs.codec import max_stored_size, parse_frame
+from kvgraft.codecs.stream import decoded_pieces, reader_at, seekable, stored_header
 from kvgraft.digest import Digest
 from kvgraft.errors import Conflict, IntegrityError, RegistryError, UsageError
 from kvgraft.formats.manifest import BlobRef, Manifest
@@ -41,6 +45,10 @@ def _upload_args(request: Request, ctx: Context) -> tuple[str, Digest, int]:
     size = request.query_params.get("size", "")
     if not size.isdigit():
         raise OciError(400, "SIZE_INVALID", "give the decoded size as ?size=N")
+    if len(size) > 20 or int(size) > ctx.settings.max_upload_bytes:
+        # Before any byte of the body is read: the decoded size is what verifying costs.
+        raise OciError(413, "SIZE_INVALID", f"blob of {size[:24]} decoded bytes exceeds the "
+                       f"upload limit of {ctx.settings.max_upload_bytes} bytes")
     return repository, digest_param(request.path_params["digest"]), int(size)
 
 
@@ -57,8 +65,8 @@ async def upload(request: Request) -> Response:
             # otherwise see the connection reset instead of the refusal.
             await _drain(request, ctx.settings.max_upload_bytes)
             raise
-        limit = min(max_stored_size(size), ctx.settings.max_upload_bytes)
-        scratch = ctx.uploads.scratch()
+        limit = max_stored_size(size)  # the size itself is within --max-upload
+        scratch = ctx.uploads.scratch(request.state.principal.name)
         try:
             fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -89,33 +97,61 @@ def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
                   path: Path) -> dict[str, Any]:
     """The first good copy wins; one that no longer verifies is replaced (so pushing a
     file again repairs it). The repository then holds the blob."""
-    from kvgraft.transfer.pull import verify_stored
-    from kvgraft.transfer.push import checked_record
-
-    # Blob-sized (the limit is the declared size's bound), and as many at once as the
-    # open-upload limit lets in.
-    data = path.read_bytes()
     try:
-        verify_stored(BlobRef(digest, size), data, "the upload")
+        with open(path, "rb") as f:
+            _check_stream(f, digest, size)
     except IntegrityError as e:
-        raise OciError(400, "DIGEST_INVALID", e.human()) from None
+        raise OciError(400, "DIGEST_INVALID", f"the upload of blob {digest} is corrupt: "
+                       f"{e.message}") from None
     store = ctx.registry.store
     stored = False
     present = store.stat(digest) is not None
-    kept = checked_record(store, digest, size) if present else None
+    kept = _checked_record(store, digest, size) if present else None
     if kept is None:
-        if present:
-            store.replace(digest, [data])
-            stored = True
-        else:
-            stored = store.put(digest, [data])
-        kept = checked_record(store, digest, size)
+        stored = _put_file(store, digest, path, replace=present)
+        kept = _checked_record(store, digest, size)
         if kept is None:
             raise OciError(503, "UNAVAILABLE", f"blob {digest} did not read back intact")
     ctx.registry.catalog.refresh_blobs([kept])
     ctx.oci.link_blob(repository, str(digest), size)
     return {"digest": str(digest), "stored": stored, "stored_size": kept.stored_size,
             "codec": kept.codec}
+
+
+def _check_stream(f: BinaryIO, digest: Digest, size: int) -> None:
+    """Decode the stored blob in `f` piece by piece and hash it: memory stays a few pieces
+    whatever size the client declared."""
+    h = hashlib.sha256()
+    for piece in decoded_pieces(seekable(f, max_stored_size(size)), size):
+        h.update(piece)
+    digest.check(Digest.from_hasher(h), "decoded content")
+
+
+def _checked_record(store: BlobStore, digest: Digest, size: int) -> BlobRecord | None:
+    """The stored blob's row if it decodes to `size` bytes hashing to `digest`; None if it
+    is corrupt (NotFound if it is gone)."""
+    try:
+        with store.open(digest) as raw, seekable(raw, max_stored_size(size)) as f:
+            codec = stored_header(reader_at(f))[0]
+            _check_stream(f, digest, size)
+            stored_size = f.seek(0, 2)
+    except IntegrityError:
+        return None
+    return BlobRecord(digest, size, stored_size, codec)
+
+
+def _put_file(store: BlobStore, digest: Digest, path: Path, *, replace: bool) -> bool:
+    """Store the (verified, so never empty) file at `path` as blob `digest`, mapped rather
+    than read into memory."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        try:
+            if replace:
+                store.replace(digest, [view])
+                return True
+            return store.put(digest, [view])
+        finally:
+            view.release()
 
 
 def _held(ctx: Context, repository: str, ref: BlobRef) -> BlobRecord | None:
@@ -211,7 +247,9 @@ def tag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
         raise OciError(400, "UNSUPPORTED", "give repository, tag and digest")
     repository = repository_param(body.get("repository"))
     require(request, ctx, repository, "push")
-    name = str(body.get("tag"))
+    name = body.get("tag")
+    if not isinstance(name, str):
+        raise OciError(400, "NAME_INVALID", "give the tag as a string")
     try:
         Reference.parse(f"{repository}:{name}")
     except UsageError as e:
@@ -229,7 +267,9 @@ def untag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
         raise OciError(400, "UNSUPPORTED", "give repository and tag")
     repository = repository_param(body.get("repository"))
     require(request, ctx, repository, "delete")
-    name = str(body.get("tag"))
+    name = body.get("tag")
+    if not isinstance(name, str):
+        raise OciError(400, "NAME_INVALID", "give the tag as a string")
     digest = ctx.registry.catalog.remove_tag(repository, name, ctx.event_record(
         request, "untag", repository=repository, tag=name))
     return {"digest": str(digest)}

@@ -16,8 +16,9 @@ from typing import BinaryIO
 
 from kvgraft.blobstore import BlobStore
 from kvgraft.blobstore.base import Presigning
-from kvgraft.codecs.codec import MAGIC, decode_blob, frame, get_codec
-from kvgraft.digest import Digest
+from kvgraft.codecs.codec import MAGIC, frame, get_codec, max_stored_size
+from kvgraft.codecs.stream import decoded_pieces, seekable
+from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, NotFound
 from kvgraft.oci.graft import EMPTY_DIGEST, EMPTY_JSON
 
@@ -83,12 +84,10 @@ def open_blob(store: BlobStore, digest: str, size: int, start: int = 0,
             raise IntegrityError(f"stored blob {digest} declares {declared} bytes, "
                                  f"expected {size}")
         if name != "raw":
-            f.close()
-            _, data = decode_blob(store.get(d), size)
-            d.check(Digest.of(data), f"stored blob {digest}")
-            view = memoryview(data)[start:end]
-            pieces = (bytes(view[i:i + PIECE]) for i in range(0, view.nbytes, PIECE))
-            return Body(pieces, end - start)
+            f.close()  # read from the start again, and at will (a store stream is spooled)
+            f = seekable(store.open(d), max_stored_size(size))
+            pieces = decoded_pieces(f, size)  # checks the frame before a byte goes
+            return Body(_stream_decoded(f, pieces, d, size, start, end), end - start)
     except BaseException:
         f.close()
         raise
@@ -113,6 +112,30 @@ def _stream_raw(f: BinaryIO, digest: Digest, size: int, start: int, end: int,
         if f.read(1):
             raise IntegrityError(f"stored blob {digest} is longer than it should be")
     digest.check(Digest.from_hasher(h), f"stored blob {digest}")
+
+
+def _stream_decoded(f: BinaryIO, pieces: Iterator[Buffer], digest: Digest, size: int,
+                    start: int, end: int) -> Iterator[bytes]:
+    # Decoded as sent, never whole. A whole blob is hashed and aborts on a mismatch like a
+    # raw one; a range is decoded only as far as its end and is not hashed: the hash needs
+    # every byte, and by the time it could fail the client would have its range anyway.
+    whole = start == 0 and end == size
+    h = hashlib.sha256()
+    pos = 0
+    with f:
+        for piece in pieces:
+            if whole:
+                h.update(piece)
+            n = memoryview(piece).nbytes
+            lo, hi = max(start - pos, 0), min(end - pos, n)
+            if lo < hi:
+                yield piece if (lo, hi) == (0, n) and isinstance(piece, bytes) else \
+                    bytes(memoryview(piece)[lo:hi])
+            pos += n
+            if pos >= end and not whole:
+                return
+    if whole:
+        digest.check(Digest.from_hasher(h), f"stored blob {digest}")
 
 
 def presigned(store: BlobStore, digest: Digest, seconds: int) -> str | None:

@@ -44,6 +44,7 @@ class Context:
         self.registry = registry
         self.settings = settings
         self.uploads = Uploads(settings.upload_dir, max_open=settings.max_open_uploads,
+                               max_per_owner=settings.max_open_uploads_per_token,
                                max_bytes=settings.max_upload_bytes,
                                ttl=settings.upload_ttl_seconds)
         self._rendered: OrderedDict[Digest, tuple[Manifest, bytes]] = OrderedDict()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +16,13 @@ from kvgraft.blobstore.base import Presigning
 from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.errors import MissingExtra
+from kvgraft.server import protocol
 from kvgraft.server.app import create_app
 from kvgraft.server.settings import ServerSettings
 
 ENV = "KVGRAFT_SERVE_SETTINGS"
 _log = logging.getLogger("kvgraft.server")
+_RESERVED_FDS = 64
 
 
 def _encode(config: Config, settings: ServerSettings) -> str:
@@ -43,6 +45,7 @@ def _decode(text: str) -> tuple[Config, ServerSettings]:
 def app_from_env() -> Starlette:
     """The application a uvicorn worker serves (`--factory`)."""
     config, settings = _decode(os.environ[ENV])
+    protocol.configure(protocol.ConnectionLimits.of(settings))
     return create_app(lambda: Registry(config), settings)
 
 
@@ -65,12 +68,38 @@ def serve(config: Config, settings: ServerSettings, *, host: str, port: int, wor
     finally:
         registry.close()
     settings.upload_dir.mkdir(parents=True, exist_ok=True)
+    settings = _fit_descriptors(settings)
     os.environ[ENV] = _encode(config, settings)
+    # The protocol bounds each connection (kvgraft.server.protocol): head size and time,
+    # body rate, connections per worker. Idle keep-alive connections close after 5 s.
     uvicorn.run("kvgraft.server.main:app_from_env", factory=True, host=host, port=port,
                 workers=workers if workers > 1 else None, log_level=log_level,
+                http="kvgraft.server.protocol:GuardedHttpTools",
                 ssl_certfile=str(certfile) if certfile else None,
                 ssl_keyfile=str(keyfile) if keyfile else None,
-                h11_max_incomplete_event_size=64 * 1024,
-                proxy_headers=forwarded_allow_ips is not None,
+                timeout_keep_alive=5, proxy_headers=forwarded_allow_ips is not None,
                 forwarded_allow_ips=forwarded_allow_ips,
                 server_header=False, timeout_graceful_shutdown=10)
+
+
+def _fit_descriptors(settings: ServerSettings) -> ServerSettings:
+    """Room for every connection a worker admits, and as many files again (a request holds
+    an upload, a blob, a catalog connection), plus a reserve: the soft descriptor limit is
+    raised toward the hard one for that, and the connection limit lowered if it cannot be."""
+    import resource
+
+    need = 2 * settings.max_connections + _RESERVED_FDS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        fit = max((soft - _RESERVED_FDS) // 2, 1)
+        _log.warning("kvgraft serve: %d open files allowed: at most %d connections per "
+                     "worker (not %d)", soft, fit, settings.max_connections)
+        settings = replace(settings, max_connections=fit)
+    return settings

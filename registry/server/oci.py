@@ -169,10 +169,11 @@ async def _blob(request: Request, ctx: Context, name: str, ref: str) -> Response
 
 
 def _delete_blob(request: Request, ctx: Context, name: str, digest: str) -> Response:
+    # Asked before unlinking: a graft's chunk is linked too (by the upload that brought it).
+    if ctx.oci.in_graft(name, digest):
+        raise OciError(405, "UNSUPPORTED", f"blob {digest} belongs to a graft in {name}: "
+                       "remove the graft (kvgraft untag, then gc) instead")
     if not ctx.oci.unlink_blob(name, digest):
-        if ctx.oci.blob_size(name, digest) is not None:
-            raise OciError(405, "UNSUPPORTED", f"blob {digest} belongs to a graft in {name}: "
-                           "remove the graft (kvgraft untag, then gc) instead")
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is not in {name}")
     ctx.event(request, "oci-delete-blob", repository=name, digest=digest)
     return Response(status_code=202)
@@ -287,7 +288,7 @@ async def _start_upload(request: Request, ctx: Context, name: str) -> Response:
                     "Location": f"/v2/{name}/blobs/{digest}", "Docker-Content-Digest": digest})
     if q.get("digest"):
         digest = _digest(q["digest"])
-        scratch = ctx.uploads.scratch()
+        scratch = ctx.uploads.scratch(request.state.principal.name)
         try:
             fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -297,7 +298,7 @@ async def _start_upload(request: Request, ctx: Context, name: str) -> Response:
             return await run_in_threadpool(_commit, request, ctx, name, scratch, digest)
         finally:
             scratch.unlink(missing_ok=True)
-    upload = await run_in_threadpool(ctx.uploads.start, name)
+    upload = await run_in_threadpool(ctx.uploads.start, name, request.state.principal.name)
     return Response(status_code=202, headers=_upload_headers(name, upload, 0))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import time
@@ -30,10 +31,21 @@ class Upload:
         return self.data.stat().st_size
 
 
+def owner_key(owner: str) -> str:
+    """A file-name-safe key for who opened an upload (a token's name)."""
+    return hashlib.sha256(owner.encode()).hexdigest()[:16]
+
+
 class Uploads:
-    def __init__(self, root: Path, *, max_open: int, max_bytes: int, ttl: float) -> None:
+    """Open uploads are limited in all (`max_open`) and per token (`max_per_owner`), so one
+    token holding its share leaves the rest to others; an upload nothing was written to for
+    `ttl` seconds is removed (its slot with it) by the next one admitted."""
+
+    def __init__(self, root: Path, *, max_open: int, max_per_owner: int, max_bytes: int,
+                 ttl: float) -> None:
         self.root = root
         self.max_open = max_open
+        self.max_per_owner = min(max_per_owner, max_open)
         self.max_bytes = max_bytes
         self.ttl = ttl
         root.mkdir(parents=True, exist_ok=True)
@@ -44,19 +56,33 @@ class Uploads:
     def _data(self, upload_id: str) -> Path:
         return self.root / f"{upload_id}.data"
 
-    def _admit(self) -> None:
+    def _admit(self, owner: str) -> str:
+        """Room for one more upload by `owner`, or 429; returns the owner's key."""
         self._expire()
-        open_now = sum(1 for _ in self.root.glob("*.json")) + \
-            sum(1 for _ in self.root.glob(".mono-*"))
-        if open_now >= self.max_open:
+        key = owner_key(owner)
+        owners = [self._owner(meta) for meta in self.root.glob("*.json")] + \
+            [p.name.split("-")[1] for p in self.root.glob(".mono-*")]
+        if len(owners) >= self.max_open:
             raise OciError(429, "TOOMANYREQUESTS",
                            f"too many open uploads (limit {self.max_open}); retry later")
+        if owners.count(key) >= self.max_per_owner:
+            raise OciError(429, "TOOMANYREQUESTS",
+                           f"this token has {self.max_per_owner} open uploads, its limit: "
+                           "finish or cancel one, or retry later")
+        return key
 
-    def start(self, repository: str) -> Upload:
-        self._admit()
+    @staticmethod
+    def _owner(meta: Path) -> str:
+        try:
+            return str(json.loads(meta.read_text()).get("owner", ""))
+        except (OSError, ValueError):
+            return ""
+
+    def start(self, repository: str, owner: str) -> Upload:
+        key = self._admit(owner)
         upload_id = uuid.uuid4().hex
         self._data(upload_id).touch(exist_ok=False)
-        meta = json.dumps({"repository": repository, "started": time.time()})
+        meta = json.dumps({"repository": repository, "owner": key, "started": time.time()})
         tmp = self.root / f".{upload_id}.tmp"
         tmp.write_text(meta)
         os.replace(tmp, self._meta(upload_id))
@@ -101,19 +127,23 @@ class Uploads:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
-    def scratch(self) -> Path:
+    def scratch(self, owner: str) -> Path:
         """A private file for a monolithic upload (counted like an open upload)."""
-        self._admit()
-        return self.root / f".mono-{uuid.uuid4().hex}"
+        key = self._admit(owner)
+        return self.root / f".mono-{key}-{uuid.uuid4().hex}"
 
     def _expire(self) -> None:
+        # Idle, not age: an upload still being written keeps its slot however long it
+        # takes, one left behind loses it after `ttl`. A monolithic upload's file outlives
+        # its request only if the server died in it.
         cutoff = time.time() - self.ttl
-        # a monolithic upload's file outlives its request only if the server died in it
         for scratch in self.root.glob(".mono-*"):
             with contextlib.suppress(OSError):
                 if scratch.stat().st_mtime < cutoff:
                     scratch.unlink()
         for meta in self.root.glob("*.json"):
-            with contextlib.suppress(OSError, ValueError):
-                if json.loads(meta.read_text()).get("started", 0) < cutoff:
-                    self.finish(Upload(meta.stem, "", self._data(meta.stem)))
+            with contextlib.suppress(OSError):
+                data = self._data(meta.stem)
+                last = max(meta.stat().st_mtime, data.stat().st_mtime if data.exists() else 0)
+                if last < cutoff:
+                    self.finish(Upload(meta.stem, "", data))

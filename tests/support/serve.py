@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -52,12 +53,20 @@ class Server:
 
 @contextmanager
 def running_server(env: dict[str, str], log: Path, *extra: str,
-                   scheme: str = "http", verify: str | bool = False) -> Iterator[Server]:
+                   scheme: str = "http", verify: str | bool = False,
+                   nofile: int | None = None) -> Iterator[Server]:
+    """`nofile`: the server's open-file limit (soft and hard), as a small container's."""
     port = free_port()
     args: Sequence[str] = [sys.executable, "-m", "kvgraft.cli", "serve", "--port", str(port),
                            *extra]
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=limit if nofile else None)
     url = f"{scheme}://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
