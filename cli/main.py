@@ -155,14 +155,6 @@ def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str
         from kvgraft.client import check_output
 
         check_output(output)  # a usage error before any catalog lookup
-    if reg.config.server_url is not None and not reg.config.offline and not signed_by \
-            and not require_verified:
-        # A policy reads the catalog (signatures, verifications): that pull goes through
-        # the Registry below, whose catalog is then the server's.
-        from kvgraft.cli.server import pull_over_http
-
-        pull_over_http(reg, reference, output, signed_by, require_verified, as_json)
-        return
     total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:
         result = reg.pull(reference, output, progress=advance, require_signed_by=signed_by,

@@ -18,6 +18,7 @@ from kvgraft.catalog import Catalog, PushRecord
 from kvgraft.catalog.records import PushOutcome
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
+from kvgraft.services.backends import Direct
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError
 from kvgraft.formats.kvfile import write_kvfile
@@ -217,7 +218,7 @@ def test_without_the_post_commit_check_that_race_loses_data(
     reg.push(variant(tmp_path / "old.kv", 1), "race/old:v1")
     reg.untag("race/old:v1")
     _gc_during_commit(monkeypatch, reg)
-    monkeypatch.setattr(Registry, "_ensure_blobs", lambda *a: None)
+    monkeypatch.setattr(Direct, "ensure_blobs", lambda *a: None)
     reg.push(variant(tmp_path / "new.kv", 2), "race/new:v1")
     assert not intact(reg, "race/new:v1")
 

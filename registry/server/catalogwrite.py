@@ -99,7 +99,7 @@ def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
         verify_stored(BlobRef(digest, size), data, "the upload")
     except IntegrityError as e:
         raise OciError(400, "DIGEST_INVALID", e.human()) from None
-    store = ctx.registry.store
+    store = ctx.store
     stored = False
     present = store.stat(digest) is not None
     kept = checked_record(store, digest, size) if present else None
@@ -112,7 +112,7 @@ def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
         kept = checked_record(store, digest, size)
         if kept is None:
             raise OciError(503, "UNAVAILABLE", f"blob {digest} did not read back intact")
-    ctx.registry.catalog.refresh_blobs([kept])
+    ctx.catalog.refresh_blobs([kept])
     ctx.oci.link_blob(repository, str(digest), size)
     return {"digest": str(digest), "stored": stored, "stored_size": kept.stored_size,
             "codec": kept.codec}
@@ -123,7 +123,7 @@ def _held(ctx: Context, repository: str, ref: BlobRef) -> BlobRecord | None:
     manifest's size."""
     if ctx.oci.blob_size(repository, str(ref.digest)) is None:
         return None
-    store = ctx.registry.store
+    store = ctx.store
     info = store.stat(ref.digest)
     if info is None:
         return None
@@ -179,7 +179,7 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     event = ctx.event_record(request, "copy" if action == "copy" else "push",
                              repository=repository, tag=tag, digest=manifest.digest,
                              detail=detail)
-    catalog = ctx.registry.catalog
+    catalog = ctx.catalog
     outcome = catalog.record_push(PushRecord(manifest, tuple(records), repository, tag,
                                              labels, event))
 
@@ -187,7 +187,7 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
         raise Conflict(f"a gc deleted blobs of {manifest.digest} while it was pushed",
                        hint="push again")
 
-    ensure_blobs(catalog, ctx.registry.store, manifest, lost)
+    ensure_blobs(catalog, ctx.store, manifest, lost)
     return {"digest": str(manifest.digest), "created": outcome.created,
             "previous": str(outcome.previous) if outcome.previous else None}
 
@@ -205,7 +205,7 @@ def tag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     digest = digest_param(str(body.get("digest")))
     visible_in(request, ctx, digest)  # only what the caller may read can be tagged
     _, _, detail = event_fields(body)
-    previous = ctx.registry.catalog.set_tag(repository, name, digest, ctx.event_record(
+    previous = ctx.catalog.set_tag(repository, name, digest, ctx.event_record(
         request, "tag", repository=repository, tag=name, digest=digest, detail=detail))
     return {"previous": str(previous) if previous else None}
 
@@ -216,7 +216,7 @@ def untag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     repository = repository_param(body.get("repository"))
     require(request, ctx, repository, "delete")
     name = str(body.get("tag"))
-    digest = ctx.registry.catalog.remove_tag(repository, name, ctx.event_record(
+    digest = ctx.catalog.remove_tag(repository, name, ctx.event_record(
         request, "untag", repository=repository, tag=name))
     return {"digest": str(digest)}
 
@@ -272,4 +272,4 @@ def add_attestation(request: Request, ctx: Context, body: Any) -> dict[str, Any]
     event = ctx.event_record(request, "sign" if action == "sign" else "attest",
                              repository=event_repo if event_repo in visible else visible[0],
                              digest=digest, detail=detail)
-    return {"id": ctx.registry.catalog.add_attestation(stored, event)}
+    return {"id": ctx.catalog.add_attestation(stored, event)}
