@@ -18,10 +18,10 @@ from kvgraft.catalog import Catalog, PushRecord
 from kvgraft.catalog.records import PushOutcome
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
-from kvgraft.services.backends import Direct
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError
 from kvgraft.formats.kvfile import write_kvfile
+from kvgraft.services.backends import Direct
 from kvgraft.transfer.gc import GcResult
 from kvgraft.transfer.push import PushOptions, build_artifact
 from tests.conftest import RegistryFactory
