@@ -305,36 +305,39 @@ class Offline(_Cached):
     passes through here, so a command that needs them is refused before it reads or
     writes anything."""
 
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        # What offline stands in for, settled once: a server remote, or a catalog and a
+        # store. What only their owner may do is refused through a server, online or not.
+        self._catalog_name, self._store_name = "the catalog", "the blob store"
+        self._owner_only: Callable[[str, str, str], UsageError] = \
+            lambda what, alt, needed: offline_refusal(needed)
+        if config.server_url is not None:
+            self._catalog_name = self._store_name = "the server"
+            self._owner_only = lambda what, alt, needed: served_refusal(config, what, alt)
+
     def require_online(self, what: str) -> None:
         raise offline_refusal(what)
 
     @property
-    def _where(self) -> str:
-        return "the server" if self.config.server_url is not None else "the catalog"
-
-    @property
     def catalog(self) -> CatalogAPI:
-        raise offline_refusal(self._where)
+        raise offline_refusal(self._catalog_name)
 
     def listing(self) -> TagListing | None:
-        raise offline_refusal(self._where)
+        raise offline_refusal(self._catalog_name)
 
     def blobs(self, repository: str | None = None, digest: Digest | None = None,
               ) -> BlobStore:
-        raise offline_refusal("the server" if self.config.server_url else "the blob store")
+        raise offline_refusal(self._store_name)
 
     def fetch_store(self, repository: str | None, digest: Digest) -> BlobStore | None:
         return None
 
     def whole_store(self, what: str, alternative: str) -> BlobStore:
-        if self.config.server_url is not None:  # refused through a server, online or not
-            raise served_refusal(self.config, what, alternative)
-        raise offline_refusal("the blob store")
+        raise self._owner_only(what, alternative, "the blob store")
 
     def whole_catalog(self, what: str, alternative: str) -> Catalog:
-        if self.config.server_url is not None:
-            raise served_refusal(self.config, what, alternative)
-        raise offline_refusal("the catalog")
+        raise self._owner_only(what, alternative, "the catalog")
 
     def resolve(self, ref: Reference) -> Digest:
         digest = self.cache.get_ref(ref)
@@ -344,7 +347,7 @@ class Offline(_Cached):
         return digest
 
     def stored_manifest(self, digest: Digest) -> bytes:
-        raise offline_refusal(self._where)
+        raise offline_refusal(self._catalog_name)
 
     def uncached_manifest(self, digest: Digest) -> bytes:
         raise NotFound(f"manifest {digest} is not in the local cache (offline)")
@@ -361,7 +364,7 @@ class Offline(_Cached):
         pass
 
     def ensure_blobs(self, manifest: Manifest, reupload: Reupload) -> None:
-        raise offline_refusal(self._where)
+        raise offline_refusal(self._catalog_name)
 
     def prefix_index(self) -> PrefixIndex:
-        raise offline_refusal(self._where)
+        raise offline_refusal(self._catalog_name)
