@@ -185,59 +185,76 @@ def sign(ctx: click.Context, ref: str, key_name: str, as_json: bool) -> None:
     click.echo(str(digest))
 
 
-def _print_audit(ref: str, r: AuditReport) -> None:
-    def row(label: str, value: object) -> None:
-        echo(f"  {label:<13} {value}")
+def _row(label: str, value: object) -> None:
+    echo(f"  {label:<13} {value}")
 
+
+def _print_audit(ref: str, r: AuditReport) -> None:
     echo(f"{ref} {r.digest}")
+    _print_manifest(r)
+    _print_provenance(r)
+    _print_attestations(r)
+    _print_events(r)
+    echo("result: " + ("ok" if r.ok else f"{len(r.failures)} problem(s)"))
+    for f in r.failures:
+        echo(f"  - {f}")
+
+
+def _print_manifest(r: AuditReport) -> None:
     echo("manifest")
     m = r.manifest
     if m is None:
-        row("problem", r.manifest_problem)
-    else:
-        row("tags", ", ".join(f"{t.repository}:{t.tag}" for t in r.record.tags) or "-")
-        row("tokens", f"{m.token_count} in {len(m.chunks)} chunks of {m.chunk_tokens}")
-        row("size", f"{human_bytes(m.size)} ({human_bytes(r.record.stored_size)} stored)")
-        row("file", f"{m.file_digest} ({human_bytes(m.file_size)})")
-        echo("model")
-        row("name", m.model_name or "-")
-        row("architecture", m.model.architecture)
-        row("tokenizer", m.model.tokenizer)
-        row("weights", m.model.weights or "-")
+        _row("problem", r.manifest_problem)
+        return
+    _row("tags", ", ".join(f"{t.repository}:{t.tag}" for t in r.record.tags) or "-")
+    _row("tokens", f"{m.token_count} in {len(m.chunks)} chunks of {m.chunk_tokens}")
+    _row("size", f"{human_bytes(m.size)} ({human_bytes(r.record.stored_size)} stored)")
+    _row("file", f"{m.file_digest} ({human_bytes(m.file_size)})")
+    echo("model")
+    _row("name", m.model_name or "-")
+    _row("architecture", m.model.architecture)
+    _row("tokenizer", m.model.tokenizer)
+    _row("weights", m.model.weights or "-")
+
+
+def _print_provenance(r: AuditReport) -> None:
     if r.provenance is not None:
         echo("provenance")
         pred = r.provenance.predicate
         pushed = pred.get("pushed") or {}
-        row("pushed", f"{pushed.get('by', '-')} at {pushed.get('at', '-')}")
+        _row("pushed", f"{pushed.get('by', '-')} at {pushed.get('at', '-')}")
         for k, v in sorted(dict(pred.get("provenance", {})).items()):
-            row(k, json.dumps(v, sort_keys=True))
+            _row(k, json.dumps(v, sort_keys=True))
     echo("lineage")
     for p in r.parents:
-        row("parent", f"{p.digest} {'ok' if not p.problem else p.problem}")
+        _row("parent", f"{p.digest} {'ok' if not p.problem else p.problem}")
     for c in r.children:
-        row("child", c)
+        _row("child", c)
+
+
+def _print_attestations(r: AuditReport) -> None:
     echo("attestations")
     for a in r.attestations:
         who = f" signed by {', '.join(k[:16] for k in a.signers)}" if a.signers else \
             (" signed" if a.signed else " unsigned")
-        row(f"#{a.id}", f"{a.predicate_type}{who}: "
-                        f"{'ok' if a.ok else '; '.join(a.problems)}")
+        _row(f"#{a.id}", f"{a.predicate_type}{who}: "
+                         f"{'ok' if a.ok else '; '.join(a.problems)}")
     if r.blobs is not None:
         echo("blobs")
-        row("checked", f"{r.blobs.checked} ({human_bytes(r.blobs.checked_bytes)}): "
-                       f"{'ok' if r.blobs.ok else f'{len(r.blobs.bad)} bad'}")
+        _row("checked", f"{r.blobs.checked} ({human_bytes(r.blobs.checked_bytes)}): "
+                        f"{'ok' if r.blobs.ok else f'{len(r.blobs.bad)} bad'}")
+
+
+def _print_events(r: AuditReport) -> None:
     echo("events")
     for e in r.events:
         when = e.at.astimezone().strftime("%Y-%m-%d %H:%M:%S") if e.at else "-"
-        row(e.action, f"{when} {e.actor} {e.outcome}")
+        _row(e.action, f"{when} {e.actor} {e.outcome}")
     head = r.chain.head
-    row("chain", f"{r.chain.events} events, head {head[0]} {head[1]}" if head else "empty")
+    _row("chain", f"{r.chain.events} events, head {head[0]} {head[1]}" if head else "empty")
     if head:  # the chain cannot show its newest events deleted together
-        row("", "record this head elsewhere: a later audit finding an older head has "
-                "found deleted events")
-    echo("result: " + ("ok" if r.ok else f"{len(r.failures)} problem(s)"))
-    for f in r.failures:
-        echo(f"  - {f}")
+        _row("", "record this head elsewhere: a later audit finding an older head has "
+                 "found deleted events")
 
 
 @click.command("audit")

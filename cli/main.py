@@ -155,14 +155,6 @@ def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str
         from kvgraft.client import check_output
 
         check_output(output)  # a usage error before any catalog lookup
-    if reg.config.server_url is not None and not reg.config.offline and not signed_by \
-            and not require_verified:
-        # A policy reads the catalog (signatures, verifications): that pull goes through
-        # the Registry below, whose catalog is then the server's.
-        from kvgraft.cli.server import pull_over_http
-
-        pull_over_http(reg, reference, output, signed_by, require_verified, as_json)
-        return
     total = reg.manifest(reg.resolve(reference)).size
     with progress_bar(f"pull {reference}", total) as advance:
         result = reg.pull(reference, output, progress=advance, require_signed_by=signed_by,
@@ -320,7 +312,7 @@ def db_upgrade(ctx: click.Context) -> None:
     from kvgraft.catalog.schema import head_revision
 
     reg = current_registry(ctx)
-    reg.direct_only("db upgrade", _DB_DIRECT)
+    reg.owner_only("db upgrade", _DB_DIRECT)
     reg.require_online("the catalog")
     catalog = Catalog.open(reg.config.catalog_url, auto_upgrade=True)
     catalog.close()
@@ -337,7 +329,7 @@ def db_current(ctx: click.Context, as_json: bool) -> None:
     from kvgraft.catalog.schema import head_revision
 
     reg = current_registry(ctx)
-    reg.direct_only("db current", _DB_DIRECT)
+    reg.owner_only("db current", _DB_DIRECT)
     reg.require_online("the catalog")
     catalog = Catalog(make_engine(reg.config.catalog_url), reg.config.catalog_url)
     current, head = catalog.current_revision(), head_revision()

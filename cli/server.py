@@ -14,25 +14,24 @@ from kvgraft.server.settings import ServerSettings
 from kvgraft.tokens import new_secret, parse_duration, parse_scopes, secret_hash
 
 if TYPE_CHECKING:
-    from kvgraft.catalog import Catalog
     from kvgraft.catalog.tokens import TokenTable
     from kvgraft.client import Registry
-    from kvgraft.reference import Reference
 
 
-def _tokens(catalog: Catalog) -> TokenTable:
+def _tokens(reg: Registry) -> TokenTable:
     # Imported here: `kvgraft --help` reads this module and must not load SQLAlchemy.
     from kvgraft.catalog.tokens import TokenTable
 
-    return TokenTable(catalog)
+    return TokenTable(reg.backends.whole_catalog(
+        "managing tokens", "run `kvgraft token` on the server's host with a direct remote"))
 
 
 def _token_registry(ctx: click.Context, what: str) -> Registry:
     # Tokens live in the server's own catalog, which a client reaches only through the API
     # the tokens guard: they are made on the server's host.
     reg = current_registry(ctx)
-    reg.direct_only(what, "run it on the server's host with a direct remote (--catalog, "
-                          "--store)")
+    reg.owner_only(what, "run it on the server's host with a direct remote (--catalog, "
+                         "--store)")
     return reg
 
 
@@ -117,14 +116,14 @@ def token_create(ctx: click.Context, scopes: tuple[str, ...], name: str | None,
     """Create a token and print its secret, once."""
     reg = _token_registry(ctx, "token create")
     parsed = parse_scopes(scopes)
-    table = _tokens(reg.catalog)
+    table = _tokens(reg)
     expires_at = datetime.now(UTC) + parse_duration(expires) if expires else None
     name = name or f"token-{len(table.list()) + 1}"
     secret = new_secret()
     tok = table.create(name, secret_hash(secret), parsed, f"{reg.user}@{reg.host}", expires_at)
-    reg.catalog.add_event(reg._event("token-create", detail={
+    reg.events.record("token-create", detail={
         "token": name, "scopes": [str(s) for s in parsed],
-        "expires_at": expires_at.isoformat() if expires_at else None}))
+        "expires_at": expires_at.isoformat() if expires_at else None})
     if as_json:
         emit_json({**tok.to_json(datetime.now(UTC)), "secret": secret})
         return
@@ -138,7 +137,7 @@ def token_create(ctx: click.Context, scopes: tuple[str, ...], name: str | None,
 def token_ls(ctx: click.Context, as_json: bool) -> None:
     """List tokens (never their secrets)."""
     now = datetime.now(UTC)
-    tokens = _tokens(_token_registry(ctx, "token ls").catalog).list()
+    tokens = _tokens(_token_registry(ctx, "token ls")).list()
     if as_json:
         for t in tokens:
             emit_json(t.to_json(now))
@@ -155,29 +154,9 @@ def token_ls(ctx: click.Context, as_json: bool) -> None:
 def token_revoke(ctx: click.Context, name: str) -> None:
     """Revoke a token: the server refuses it from its next request on."""
     reg = _token_registry(ctx, "token revoke")
-    _tokens(reg.catalog).revoke(name)
-    reg.catalog.add_event(reg._event("token-revoke", detail={"token": name}))
+    _tokens(reg).revoke(name)
+    reg.events.record("token-revoke", detail={"token": name})
     err(f"token {name!r} revoked")
-
-
-def pull_over_http(reg: Registry, ref: Reference, output: Path | None,
-                   signed_by: tuple[str, ...], require_verified: bool, as_json: bool) -> None:
-    """`kvgraft pull` through a `kvgraft serve` remote."""
-    from kvgraft.remote.http import HttpRemote
-
-    config = reg.config
-    assert config.server_url is not None and config.token_file is not None
-    remote = HttpRemote.with_token_file(config.server_url, config.token_file)
-    digest, s = remote.pull(ref, reg.cache, output)
-    if as_json:
-        emit_json({"digest": str(digest), "reference": str(ref),
-                   "output": str(output) if output else None, "fetched": s.fetched,
-                   "fetched_bytes": s.fetched_bytes, "cached": s.cached,
-                   "remote": config.remote})
-        return
-    err(f"pulled {ref} from {config.server_url}: {s.fetched} blobs fetched, "
-        f"{s.cached} from cache" + (f", wrote {output}" if output else ""))
-    click.echo(str(digest))
 
 
 COMMANDS = [serve, token]

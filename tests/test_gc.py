@@ -21,6 +21,7 @@ from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError
 from kvgraft.formats.kvfile import write_kvfile
+from kvgraft.services.backends import Direct
 from kvgraft.transfer.gc import GcResult
 from kvgraft.transfer.push import PushOptions, build_artifact
 from tests.conftest import RegistryFactory
@@ -217,7 +218,7 @@ def test_without_the_post_commit_check_that_race_loses_data(
     reg.push(variant(tmp_path / "old.kv", 1), "race/old:v1")
     reg.untag("race/old:v1")
     _gc_during_commit(monkeypatch, reg)
-    monkeypatch.setattr(Registry, "_ensure_blobs", lambda *a: None)
+    monkeypatch.setattr(Direct, "ensure_blobs", lambda *a: None)
     reg.push(variant(tmp_path / "new.kv", 2), "race/new:v1")
     assert not intact(reg, "race/new:v1")
 

@@ -144,7 +144,7 @@ def test_a_listing_opens_no_orm_and_the_full_catalog_reuses_its_engine(
     make_registry(home=tmp_path / "h").catalog.close()  # an existing, empty catalog
     reg = make_registry(home=tmp_path / "h")
     assert reg.list() == ()
-    assert "catalog" not in reg.__dict__ and "catalog_reader" in reg.__dict__
+    assert reg.backends.opened == ("reader",)  # type: ignore[attr-defined]
     assert reg.catalog.engine is reg.catalog_reader.engine
     assert reg.catalog.artifact_digests() == []
     reg.close()

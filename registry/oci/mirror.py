@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kvgraft.catalog import EventRecord, PushRecord
+from kvgraft.catalog import PushRecord
 from kvgraft.catalog.records import BlobRecord
 from kvgraft.client import Registry
 from kvgraft.codecs.codec import AUTO, codec_selector, frame, max_stored_size
@@ -81,10 +81,10 @@ def push_graft(reg: Registry, src: Reference, client: OciClient, dst: OciLocatio
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="kvgraft-oci") as pool:
         moved = [n for n in pool.map(one, list(getters)) if n]
     oci_digest = client.put_manifest(repo, dst.tag, rendered, OCI_MANIFEST)
-    reg.catalog.add_event(_event(reg, "copy", src, digest, {
+    reg.events.record("copy", repository=src.name, tag=src.tag, digest=digest, detail={
         "source": f"{reg.config.remote or 'local'}:{src}", "target": str(dst),
         "oci_digest": str(oci_digest), "blobs_copied": len(moved),
-        "bytes_copied": sum(moved)}))
+        "bytes_copied": sum(moved)})
     return MirrorStats(digest, oci_digest, len(getters), len(moved), sum(moved))
 
 
@@ -121,12 +121,13 @@ def pull_graft(client: OciClient, src: OciLocation, reg: Registry, dst: Referenc
     with ThreadPoolExecutor(WORKERS, thread_name_prefix="kvgraft-oci") as pool:
         results = list(pool.map(one, manifest.blobs()))
     moved = [n for _, n in results if n]
-    reg.catalog.record_push(PushRecord(
+    reg.transfers.commit(PushRecord(
         manifest, tuple(r for r, _ in results), dst.name, dst.tag, {},
-        _event(reg, "copy", dst, digest, {
+        reg.events.event("copy", repository=dst.name, tag=dst.tag, digest=digest, detail={
             "source": str(src), "target": f"{reg.config.remote or 'local'}:{dst}",
             "oci_digest": str(oci_digest), "blobs_copied": len(moved),
-            "bytes_copied": sum(moved)})))
+            "bytes_copied": sum(moved)})),
+        lambda: [r for r, _ in map(one, manifest.blobs())])
     return MirrorStats(digest, oci_digest, len(results), len(moved), sum(moved))
 
 
@@ -150,8 +151,3 @@ def _graft_layer(body: bytes, src: OciLocation) -> dict[str, Any]:
     layer: dict[str, Any] = first
     return layer
 
-
-def _event(reg: Registry, action: str, ref: Reference, digest: Digest,
-           detail: dict[str, Any]) -> EventRecord:
-    return EventRecord(action=action, actor=f"{reg.user}@{reg.host}", host=reg.host,
-                       repository=ref.name, tag=ref.tag, digest=digest, detail=detail)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgraft.blobstore.base import BlobStore
-from kvgraft.catalog import ArtifactRecord, Catalog, EventRecord
+from kvgraft.catalog import ArtifactRecord, EventRecord
+from kvgraft.catalog.api import CatalogAPI
 from kvgraft.catalog.events import ChainReport
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound
@@ -96,7 +97,7 @@ def _event_json(e: EventRecord) -> dict[str, Any]:
             "detail": dict(e.detail)}
 
 
-def _manifest(catalog: Catalog, digest: Digest) -> tuple[Manifest | None, str | None]:
+def _manifest(catalog: CatalogAPI, digest: Digest) -> tuple[Manifest | None, str | None]:
     try:
         return Manifest.parse(catalog.artifact(digest).manifest, digest), None
     except NotFound:
@@ -105,7 +106,7 @@ def _manifest(catalog: Catalog, digest: Digest) -> tuple[Manifest | None, str | 
         return None, f"stored manifest of {digest} is corrupt: {e.message}"
 
 
-def lineage(catalog: Catalog, parents: tuple[Digest, ...], depth: int = 0,
+def lineage(catalog: CatalogAPI, parents: tuple[Digest, ...], depth: int = 0,
             seen: frozenset[Digest] = frozenset()) -> tuple[LineageNode, ...]:
     nodes = []
     for p in parents:
@@ -130,7 +131,7 @@ def origin(events: list[EventRecord]) -> Origin | None:
     return None
 
 
-def audit(catalog: Catalog, store: BlobStore, digest: Digest,
+def audit(catalog: CatalogAPI, store: BlobStore, digest: Digest,
           trusted: Mapping[str, PublicKey], *, workers: int | None = None) -> AuditReport:
     record = catalog.artifact(digest)
     failures: list[str] = []

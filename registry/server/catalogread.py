@@ -36,7 +36,7 @@ from kvgraft.server.errors import OciError
 def record(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     digest = digest_param(request.path_params["digest"])
     visible = visible_in(request, ctx, digest)
-    r = ctx.registry.catalog.artifact(digest)
+    r = ctx.catalog.artifact(digest)
     out = wire.artifact_json(r)
     out["repositories"] = list(visible)
     out["tags"] = [wire.tag_json(t) for t in r.tags if t.repository in visible]
@@ -49,7 +49,7 @@ def tags(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     if pattern is not None and len(pattern) > 512:
         raise OciError(400, "NAME_INVALID", "the pattern is longer than 512 characters")
     problems: list[str] = []
-    found = ctx.registry.catalog.list_tags(pattern, problems=problems)
+    found = ctx.catalog.list_tags(pattern, problems=problems)
     if pattern:
         found = tuple(t for t in found if fnmatch.fnmatchcase(t.repository, pattern))
     admin = principal.may(ctx.settings, "*", "admin")
@@ -65,7 +65,7 @@ def blob_records(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
         raise OciError(400, "UNSUPPORTED", f"give at most {MAX_DIGESTS} digests")
     keys = [str(digest_param(str(d))) for d in wanted]
     out: dict[str, BlobRecord] = {}
-    with ctx.registry.catalog._session() as s:  # rows of blobs in readable repositories
+    with ctx.catalog._session() as s:  # rows of blobs in readable repositories
         for i in range(0, len(keys), 500):
             rows = s.execute(
                 select(BlobRow, RepositoryArtifactRow.repository)
@@ -83,7 +83,7 @@ def blob_records(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
 def artifact_digests(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     principal = principal_of(request, ctx)
     seen: dict[str, None] = {}
-    with ctx.registry.catalog._session() as s:
+    with ctx.catalog._session() as s:
         rows = s.execute(select(ArtifactRow.digest, RepositoryArtifactRow.repository)
                          .join(RepositoryArtifactRow, RepositoryArtifactRow.artifact_digest
                                == ArtifactRow.digest)
@@ -107,7 +107,7 @@ def events(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
         limit = int(q["limit"]) if q.get("limit") else None
     except ValueError as e:
         raise OciError(400, "UNSUPPORTED", f"bad since/limit: {e}") from None
-    found = ctx.registry.catalog.events(digest=digest, action=q.get("action") or None,
+    found = ctx.catalog.events(digest=digest, action=q.get("action") or None,
                                         since=since, limit=limit)
     return {"events": [wire.event_json(e) for e in found
                        if e.repository is None
@@ -117,7 +117,7 @@ def events(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
 def attestations(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     digest = digest_param(request.path_params["digest"])
     visible_in(request, ctx, digest)
-    catalog = ctx.registry.catalog
+    catalog = ctx.catalog
     found = catalog.attestations(digest, request.query_params.get("predicate_type") or None)
     return {"attestations": [wire.attestation_json(a) for a in found],
             "recorded": {str(k): v for k, v in catalog.attestation_digests(digest).items()}}
@@ -128,8 +128,8 @@ def children(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     visible_in(request, ctx, digest)
     principal: Principal = request.state.principal
     out = []
-    for child in ctx.registry.catalog.children(digest):
-        repos = ctx.registry.catalog.artifact(child).repositories
+    for child in ctx.catalog.children(digest):
+        repos = ctx.catalog.artifact(child).repositories
         if any(principal.may(ctx.settings, r, "pull") for r in repos):
             out.append(str(child))
     return {"children": out}
@@ -140,7 +140,7 @@ def event_chain(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     so any token may ask (an audit checks it)."""
     if principal_of(request, ctx).token is None:
         raise ctx.refuse(request, request.state.principal, None, "pull")
-    catalog = ctx.registry.catalog
+    catalog = ctx.catalog
     return {"chain": catalog.event_chain().to_json(),
             "trigger_problems": catalog.event_trigger_problems()}
 
@@ -156,7 +156,7 @@ def blob_info(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     digest = digest_param(request.path_params["digest"])
     info = None
     if ctx.oci.blob_size(repository, str(digest)) is not None:
-        info = ctx.registry.store.stat(digest)
+        info = ctx.store.stat(digest)
     if info is None:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is not in {repository}")
     return {"digest": str(digest), "stored_size": info.stored_size, "mtime": info.mtime}

@@ -103,7 +103,7 @@ def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
     except IntegrityError as e:
         raise OciError(400, "DIGEST_INVALID", f"the upload of blob {digest} is corrupt: "
                        f"{e.message}") from None
-    store = ctx.registry.store
+    store = ctx.store
     stored = False
     present = store.stat(digest) is not None
     kept = _checked_record(store, digest, size) if present else None
@@ -112,7 +112,7 @@ def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
         kept = _checked_record(store, digest, size)
         if kept is None:
             raise OciError(503, "UNAVAILABLE", f"blob {digest} did not read back intact")
-    ctx.registry.catalog.refresh_blobs([kept])
+    ctx.catalog.refresh_blobs([kept])
     ctx.oci.link_blob(repository, str(digest), size)
     return {"digest": str(digest), "stored": stored, "stored_size": kept.stored_size,
             "codec": kept.codec}
@@ -159,7 +159,7 @@ def _held(ctx: Context, repository: str, ref: BlobRef) -> BlobRecord | None:
     manifest's size."""
     if ctx.oci.blob_size(repository, str(ref.digest)) is None:
         return None
-    store = ctx.registry.store
+    store = ctx.store
     info = store.stat(ref.digest)
     if info is None:
         return None
@@ -229,15 +229,15 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     event = ctx.event_record(request, "copy" if action == "copy" else "push",
                              repository=repository, tag=tag, digest=manifest.digest,
                              detail=detail)
-    catalog = ctx.registry.catalog
-    outcome = catalog.record_push(PushRecord(manifest, records, repository, tag, labels,
-                                             event))
+    catalog = ctx.catalog
+    outcome = catalog.record_push(PushRecord(manifest, tuple(records), repository, tag,
+                                             labels, event))
 
     def lost() -> list[BlobRecord]:
         raise Conflict(f"a gc deleted blobs of {manifest.digest} while it was pushed",
                        hint="push again")
 
-    ensure_blobs(catalog, ctx.registry.store, manifest, lost)
+    ensure_blobs(catalog, ctx.store, manifest, lost)
     return {"digest": str(manifest.digest), "created": outcome.created,
             "previous": str(outcome.previous) if outcome.previous else None}
 
@@ -257,7 +257,7 @@ def tag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     digest = digest_param(str(body.get("digest")))
     visible_in(request, ctx, digest)  # only what the caller may read can be tagged
     _, _, detail = event_fields(body)
-    previous = ctx.registry.catalog.set_tag(repository, name, digest, ctx.event_record(
+    previous = ctx.catalog.set_tag(repository, name, digest, ctx.event_record(
         request, "tag", repository=repository, tag=name, digest=digest, detail=detail))
     return {"previous": str(previous) if previous else None}
 
@@ -270,7 +270,7 @@ def untag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     name = body.get("tag")
     if not isinstance(name, str):
         raise OciError(400, "NAME_INVALID", "give the tag as a string")
-    digest = ctx.registry.catalog.remove_tag(repository, name, ctx.event_record(
+    digest = ctx.catalog.remove_tag(repository, name, ctx.event_record(
         request, "untag", repository=repository, tag=name))
     return {"digest": str(digest)}
 
@@ -326,4 +326,4 @@ def add_attestation(request: Request, ctx: Context, body: Any) -> dict[str, Any]
     event = ctx.event_record(request, "sign" if action == "sign" else "attest",
                              repository=event_repo if event_repo in visible else visible[0],
                              digest=digest, detail=detail)
-    return {"id": ctx.registry.catalog.add_attestation(stored, event)}
+    return {"id": ctx.catalog.add_attestation(stored, event)}

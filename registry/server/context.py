@@ -12,6 +12,8 @@ from typing import Any
 
 from starlette.requests import Request
 
+from kvgraft.blobstore import BlobStore
+from kvgraft.catalog import Catalog
 from kvgraft.catalog.oci import OciTables
 from kvgraft.catalog.records import EventRecord
 from kvgraft.catalog.tokens import TokenTable
@@ -26,6 +28,16 @@ from kvgraft.server.settings import ServerSettings
 from kvgraft.server.uploads import Uploads
 
 _RENDERED = 4096  # grafts whose OCI rendering a worker keeps (they never change)
+_SERVE_DIRECT = "serve a catalog and store of your own: a direct remote (--catalog, --store)"
+
+
+def server_catalog(registry: Registry) -> Catalog:
+    """The SQL catalog a server owns (it serves its whole catalog, not a view of one)."""
+    return registry.backends.whole_catalog("serving", _SERVE_DIRECT)
+
+
+def server_store(registry: Registry) -> BlobStore:
+    return registry.backends.whole_store("serving", _SERVE_DIRECT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,13 +63,21 @@ class Context:
         self._lock = threading.Lock()
         self._remembered: set[str] = set()
 
+    @property
+    def catalog(self) -> Catalog:
+        return server_catalog(self.registry)
+
+    @property
+    def store(self) -> BlobStore:
+        return server_store(self.registry)
+
     @cached_property
     def tokens(self) -> TokenTable:
-        return TokenTable(self.registry.catalog)
+        return TokenTable(self.catalog)
 
     @cached_property
     def oci(self) -> OciTables:
-        return OciTables(self.registry.catalog)
+        return OciTables(self.catalog)
 
     # --- who ---------------------------------------------------------------------------
 
@@ -85,7 +105,7 @@ class Context:
                            host=client, **kw)
 
     def event(self, request: Request, action: str, **kw: Any) -> None:
-        self.registry.catalog.add_event(self.event_record(request, action, **kw))
+        self.catalog.add_event(self.event_record(request, action, **kw))
 
     # --- grafts ------------------------------------------------------------------------
 
@@ -97,7 +117,7 @@ class Context:
             if hit is not None:
                 self._rendered.move_to_end(digest)
                 return hit
-        record = self.registry.catalog.artifact(digest)
+        record = self.catalog.artifact(digest)
         manifest = Manifest.parse(record.manifest, digest)
         rendered = ocigraft.render(manifest, record.created_at.isoformat())
         self.oci.remember(ocigraft.oci_digest(rendered), "manifest", str(digest))
@@ -119,7 +139,7 @@ class Context:
         _, rendered = self.graft(artifact)
         subject = ocigraft.oci_digest(rendered)
         out = []
-        for a in self.registry.catalog.attestations(artifact):
+        for a in self.catalog.attestations(artifact):
             assert a.id is not None
             raw, blob = ocigraft.render_attestation(a.statement, a.envelope, a.predicate_type,
                                                   a.keyid, a.id, subject, len(rendered))

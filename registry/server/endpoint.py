@@ -66,7 +66,7 @@ def visible_in(request: Request, ctx: Context, digest: Digest,
     may not even pull is not found."""
     principal = principal_of(request, ctx)
     try:
-        repos = ctx.registry.catalog.artifact(digest).repositories
+        repos = ctx.catalog.artifact(digest).repositories
     except NotFound:
         repos = ()
     readable = tuple(r for r in repos if principal.may(ctx.settings, r, "pull"))

@@ -44,7 +44,7 @@ def _guarded(fn: Callable[[Request, Context], Any]) -> Callable[[Request], Any]:
 def resolve(request: Request, ctx: Context) -> dict[str, Any]:
     ref = _ref(request)
     require(request, ctx, ref.name, "pull")
-    digest = ctx.registry.catalog.resolve(ref)
+    digest = ctx.catalog.resolve(ref)
     return {"reference": str(ref), "digest": str(digest),
             "oci_digest": ocigraft.oci_digest(ctx.render_graft(digest))}
 
@@ -52,8 +52,8 @@ def resolve(request: Request, ctx: Context) -> dict[str, Any]:
 def artifact(request: Request, ctx: Context) -> dict[str, Any]:
     ref = _ref(request)
     require(request, ctx, ref.name, "pull")
-    digest = ctx.registry.catalog.resolve(ref)
-    record = ctx.registry.catalog.artifact(digest)
+    digest = ctx.catalog.resolve(ref)
+    record = ctx.catalog.artifact(digest)
     out = ctx.registry.inspect(Reference(ref.name, digest=digest)).to_json()
     # Only what this caller may see: other repositories holding the graft stay hidden.
     principal = request.state.principal
@@ -66,7 +66,7 @@ def artifact(request: Request, ctx: Context) -> dict[str, Any]:
 def labels(request: Request, ctx: Context) -> dict[str, Any]:
     ref = _ref(request)
     require(request, ctx, ref.name, "pull")
-    record = ctx.registry.catalog.artifact(ctx.registry.catalog.resolve(ref))
+    record = ctx.catalog.artifact(ctx.catalog.resolve(ref))
     return {"digest": str(record.digest), "labels": dict(record.labels)}
 
 
@@ -74,7 +74,7 @@ def models(request: Request, ctx: Context) -> dict[str, Any]:
     principal_of(request, ctx)
     if request.state.principal.token is None:
         raise ctx.refuse(request, request.state.principal, None, "pull")
-    with ctx.registry.catalog._session() as s:
+    with ctx.catalog._session() as s:
         rows = s.scalars(select(ModelRow).order_by(ModelRow.id)).all()
         return {"models": [{"identity": r.identity, "name": r.name,
                             "architecture": r.architecture, "tokenizer": r.tokenizer,
@@ -114,7 +114,7 @@ def match(request: Request, ctx: Context) -> dict[str, Any]:
     found = prefix_match(ctx.registry, identity, tokens)
     if found is None:
         return {"match": None}
-    repos = ctx.registry.catalog.artifact(found.digest).repositories
+    repos = ctx.catalog.artifact(found.digest).repositories
     if not any(principal.may(ctx.settings, r, "pull") for r in repos):
         return {"match": None}  # what the caller may not pull does not exist for them
     return {"match": found.to_json()}
@@ -140,11 +140,11 @@ def stored(request: Request, ctx: Context) -> Response:
         # Only after the scope check: the URL is a credential for the blob. Not stat'ed
         # first (one round trip to the store saved per blob): a missing object is the
         # client's 404 from the store, which it reports as lost data like any other.
-        url = content.presigned(ctx.registry.store, digest, ctx.settings.redirect_seconds)
+        url = content.presigned(ctx.store, digest, ctx.settings.redirect_seconds)
         if url is not None:
             return Response(status_code=307, headers={"Location": url,
                                                       "Cache-Control": "no-store"})
-    info = ctx.registry.store.stat(digest)
+    info = ctx.store.stat(digest)
     if info is None:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is missing from the store")
     start = 0
@@ -154,7 +154,7 @@ def stored(request: Request, ctx: Context) -> Response:
         if start >= info.stored_size:
             return Response(status_code=416,
                             headers={"Content-Range": f"bytes */{info.stored_size}"})
-    f = ctx.registry.store.open(digest)
+    f = ctx.store.open(digest)
 
     def pieces() -> Iterator[bytes]:
         with f:

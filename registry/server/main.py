@@ -18,6 +18,7 @@ from kvgraft.config import Config
 from kvgraft.errors import MissingExtra
 from kvgraft.server import protocol
 from kvgraft.server.app import create_app
+from kvgraft.server.context import server_catalog, server_store
 from kvgraft.server.settings import ServerSettings
 
 ENV = "KVGRAFT_SERVE_SETTINGS"
@@ -60,8 +61,8 @@ def serve(config: Config, settings: ServerSettings, *, host: str, port: int, wor
     # current, store openable.
     registry = Registry(config)
     try:
-        registry.catalog  # noqa: B018
-        store = registry.store
+        server_catalog(registry)
+        store = server_store(registry)
         if settings.redirect_blobs and not isinstance(store, Presigning):
             _log.warning("kvgraft serve: --redirect-blobs: %s cannot presign URLs; blob "
                          "bytes go through the server", config.blob_url)

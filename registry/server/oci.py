@@ -161,7 +161,7 @@ async def _blob(request: Request, ctx: Context, name: str, ref: str) -> Response
     # kvgraft frame (and graft blobs compressed), so no stored object has the bytes this
     # digest names; a presigned URL would fail every OCI client's digest check.
     try:
-        body = await run_in_threadpool(content.open_blob, ctx.registry.store, digest, size,
+        body = await run_in_threadpool(content.open_blob, ctx.store, digest, size,
                                        start, end)
     except NotFound:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is missing from the store") from None
@@ -310,15 +310,15 @@ def _commit(request: Request, ctx: Context, name: str, path: Path, digest: str) 
                        f"upload digest mismatch: expected {digest}, got {actual}")
     d = Digest.parse(digest)
     if digest != ocigraft.EMPTY_DIGEST:
-        content.store_file(ctx.registry.store, d, path)
+        content.store_file(ctx.store, d, path)
     ctx.oci.link_blob(name, digest, size)
     # The blob may have been in the store already (so not written again) and a gc may
     # have deleted it before the link committed: the rule that protects pushes (kvgraft.transfer.gc,
     # rule 3) protects uploads too. The deletion record exists before the object goes,
     # and gc re-checks links under its lock, so this check after the commit is enough.
-    if digest != ocigraft.EMPTY_DIGEST and ctx.registry.catalog.deleted_blobs([d]) \
-            and not ctx.registry.store.exists(d):
-        content.store_file(ctx.registry.store, d, path)
+    if digest != ocigraft.EMPTY_DIGEST and ctx.catalog.deleted_blobs([d]) \
+            and not ctx.store.exists(d):
+        content.store_file(ctx.store, d, path)
     return Response(status_code=201, headers={
         "Location": f"/v2/{name}/blobs/{digest}", "Docker-Content-Digest": digest})
 
@@ -347,7 +347,7 @@ def _find_manifest(ctx: Context, name: str, ref: str) -> tuple[str, str, bytes]:
     except UsageError:
         raise OciError(400, "MANIFEST_INVALID", f"invalid tag {ref[:80]!r}") from None
     try:
-        artifact_digest = ctx.registry.catalog.resolve(Reference(name, tag=ref))
+        artifact_digest = ctx.catalog.resolve(Reference(name, tag=ref))
     except NotFound:
         oci_digest = ctx.oci.tag_digest(name, ref)
         if oci_digest is None:

@@ -28,6 +28,7 @@ from kvgraft.provenance import (
 from kvgraft.provenance.audit import origin
 from kvgraft.provenance.policy import assess_all
 from kvgraft.provenance.statement import fidelity_identity
+from kvgraft.server.context import server_catalog
 from kvgraft.server.lineage import Graph, build, repository_of, restrict
 
 EVENTS_SHOWN = 100
@@ -118,7 +119,7 @@ class ArtifactView:
 
 def _origin_events(registry: Registry, digest: Digest) -> list[EventRecord]:
     firsts = [e for action in ("push", "copy")
-              for e in registry.catalog.events(digest=digest, action=action, limit=1)]
+              for e in server_catalog(registry).events(digest=digest, action=action, limit=1)]
     return sorted(firsts, key=lambda e: e.id or 0)
 
 
@@ -150,7 +151,7 @@ def artifact_view(registry: Registry, digest: Digest,
                   visible: Callable[[str], bool] = everything) -> ArtifactView:
     """Everything the page shows about `digest`, as a viewer who may read the repositories
     `visible` accepts sees it; NotFound unless one of the artifact's repositories is."""
-    catalog = registry.catalog
+    catalog = server_catalog(registry)
     record = catalog.artifact(digest)
     repos = tuple(r for r in record.repositories if visible(r))
     if not repos:

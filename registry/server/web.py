@@ -30,6 +30,7 @@ from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import NotFound, RegistryError, Unavailable, UsageError
 from kvgraft.reference import Reference, check_name
+from kvgraft.server.context import server_catalog
 from kvgraft.server.lineage import svg
 from kvgraft.server.views import NotVisible, artifact_view, everything
 
@@ -142,7 +143,7 @@ def web_routes(open_registry: Callable[[], Registry], *,
                 offset = max(0, int(p.get("offset", "0")))
             except ValueError:
                 raise UsageError("offset must be a whole number") from None
-            rows, more = search(open_registry().catalog, query, limit=PAGE_SIZE,
+            rows, more = search(server_catalog(open_registry()), query, limit=PAGE_SIZE,
                                 offset=offset)
         except PermissionError as e:
             return unauthorised(request, e)

@@ -1,13 +1,6 @@
 """Prefix lookup across the registry: the artifact holding the longest cached prefix of a
-token sequence under a given model.
-
-Chunk prefix keys (registry.prefix) narrow it with indexed equality queries: for each chunk
-size in use by the model, the query's chain keys are computed and a binary search finds
-how many leading chunks some artifact shares. Past them, the keys a partial last chunk of
-1..c-1 query tokens would have find the grafts the query extends (one shorter than a chunk
-included) in one IN query; a token comparison finishes it inside the next chunk, over a
-bounded number of candidates.
-"""
+token sequence under a given model. The candidates come from the backends' prefix index
+(kvgraft.services.prefixindex); each is opened through the policy before it is answered."""
 
 from __future__ import annotations
 
@@ -15,21 +8,28 @@ import dataclasses
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvgraft.catalog import Catalog
-from kvgraft.catalog.lookup import (
-    artifacts_with_key,
-    artifacts_with_keys,
-    chunk_sizes,
-    deepest_prefix,
-)
-from kvgraft.client import OpenedArtifact, Registry
 from kvgraft.digest import Digest
-from kvgraft.formats.prefix import prefix_keys, tail_keys
 from kvgraft.identity.model import ModelIdentity
 
+if TYPE_CHECKING:
+    from kvgraft.services.backends import Backends
+    from kvgraft.services.prefixindex import Candidate
+    from kvgraft.services.transfers import OpenedArtifact
+
 MAX_CANDIDATES = 32  # artifacts whose tokens are compared past the last shared chunk
+
+
+class Opener(Protocol):
+    """What a match needs of a registry: its backends, and the one open-for-use path."""
+
+    @property
+    def backends(self) -> Backends: ...
+
+    def open(self, ref: Digest, *, require_signed_by: Sequence[str] = (),
+             require_verified: bool = False, model: ModelIdentity | None = None,
+             action: str = "load") -> OpenedArtifact: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,28 +61,13 @@ def _tokens(opened: OpenedArtifact) -> tuple[int, ...]:
     return struct.unpack(f"<{view.nbytes // 8}q", view)
 
 
-def _candidates(catalog: Catalog, identity: ModelIdentity, query: bytes, n: int, c: int,
-                limit: int) -> tuple[int, dict[Digest, int]]:
-    """(full chunks shared by key, {artifact: tokens it is known to cover}) for chunk
-    size `c`. Artifacts holding the last shared full chunk cover at least those chunks
-    (tokens compared later may extend it); an artifact whose partial last chunk's key is
-    one of the query's tail keys covers exactly up to that key."""
-    keys = prefix_keys(identity, query, c)
-    full = n // c  # the last key covers a partial span unless this divides
-    shared = deepest_prefix(catalog, keys[:full])
-    found: dict[Digest, int] = {}
-    if shared:
-        for digest, _ in artifacts_with_key(catalog, keys[shared - 1], limit):
-            found[digest] = shared * c
-    rest = min(n - shared * c, c - 1)  # a span of c tokens would be a full chunk
-    tails = tail_keys(identity, query, keys[shared - 1] if shared else None, shared * c, rest)
-    length_of = {k: shared * c + r for r, k in enumerate(tails, start=1)}
-    for digest, key in artifacts_with_keys(catalog, tails, limit):
-        found[digest] = max(found.get(digest, 0), length_of[key])
-    return shared, found
+def _length(c: Candidate, opened: OpenedArtifact, ids: Sequence[int]) -> int:
+    if c.exact:
+        return c.covers
+    return max(c.covers, _lcp(_tokens(opened), ids, c.shared_chunks * c.chunk_tokens))
 
 
-def match(registry: Registry, identity: ModelIdentity, token_ids: Sequence[int], *,
+def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *,
           max_candidates: int = MAX_CANDIDATES, require_signed_by: Sequence[str] = (),
           require_verified: bool = False) -> PrefixMatch | None:
     """The artifact with the longest prefix of `token_ids` cached for `identity` (None if
@@ -97,46 +82,27 @@ def match(registry: Registry, identity: ModelIdentity, token_ids: Sequence[int],
     ids = [int(t) for t in token_ids]
     if not ids:
         return None
-    if registry.http is not None:
-        return _match_over_http(registry, identity, ids, require_signed_by, require_verified)
-    catalog = registry.catalog
-    query = struct.pack(f"<{len(ids)}q", *ids)
-    best: PrefixMatch | None = None
+    best: tuple[PrefixMatch, Candidate] | None = None
     refused: PolicyRefused | None = None
-    for c in chunk_sizes(catalog, identity.key):
-        shared, found = _candidates(catalog, identity, query, len(ids), c, max_candidates)
-        for digest, known in found.items():
-            try:
-                opened = registry.open(digest, require_signed_by=require_signed_by,
-                                       require_verified=require_verified, model=identity,
-                                       action="match")
-            except PolicyRefused as e:
-                refused = refused or e
-                continue
-            length = max(known, _lcp(_tokens(opened), ids, shared * c))
-            if length and (best is None or length > best.length):
-                best = PrefixMatch(digest, length, opened.manifest.token_count, c, shared)
+    for c in registry.backends.prefix_index().candidates(identity, ids, max_candidates):
+        try:
+            opened = registry.open(c.digest, require_signed_by=require_signed_by,
+                                   require_verified=require_verified, model=identity,
+                                   action="match")
+        except PolicyRefused as e:
+            refused = refused or e
+            continue
+        length = _length(c, opened, ids)
+        if length and (best is None or length > best[0].length):
+            best = (PrefixMatch(c.digest, length, opened.manifest.token_count,
+                                c.chunk_tokens, c.shared_chunks), c)
     if best is None:
         if refused is not None:
             raise refused
         return None
-    tags = registry.catalog.artifact(best.digest).tags
-    return dataclasses.replace(best, references=tuple(f"{t.repository}:{t.tag}" for t in tags))
-
-
-def _match_over_http(registry: Registry, identity: ModelIdentity, ids: list[int],
-                     require_signed_by: Sequence[str], require_verified: bool,
-                     ) -> PrefixMatch | None:
-    """Through a kvgraft server, the server answers the lookup (it holds the prefix index,
-    and answers only what the token may pull); the policy is checked here, with this
-    machine's keys and config, on the artifact it found."""
-    assert registry.http is not None
-    found = registry.http.match(identity, ids)
-    if found is None:
-        return None
-    result = PrefixMatch(Digest.parse(found["digest"]), int(found["length"]),
-                         int(found["token_count"]), int(found["chunk_tokens"]),
-                         int(found["shared_chunks"]), tuple(found["references"]))
-    registry.open(result.digest, require_signed_by=require_signed_by,
-                  require_verified=require_verified, model=identity, action="match")
-    return result
+    found, c = best
+    references = c.references
+    if references is None:
+        tags = registry.backends.catalog.artifact(found.digest).tags
+        references = tuple(f"{t.repository}:{t.tag}" for t in tags)
+    return dataclasses.replace(found, references=references)

@@ -234,10 +234,18 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int |
     header, _ = fetcher.get(manifest.header)
     layout = layout_of(manifest, header)
     plans = manifest_plans(manifest, layout)
-    plan_of = {c.digest: p for c, p in zip(manifest.chunks, plans, strict=True)}
-    places: dict[Digest, list[int]] = {}
-    for i, c in enumerate(manifest.chunks):
-        places.setdefault(c.digest, []).append(i)
+    with _atomic_output(output, manifest.file_size) as fd:
+        os.pwrite(fd, header, 0)
+        tokens, _ = fetcher.get(manifest.tokens)
+        os.pwrite(fd, tokens, layout.token_ids.begin)
+        _write_chunks(fd, manifest, plans, fetcher, workers, progress)
+    return fetcher.stats
+
+
+@contextlib.contextmanager
+def _atomic_output(output: Path, size: int) -> Iterator[int]:
+    """A temp file of `size` bytes beside `output` to write into; it replaces `output`
+    (synced) when the block ends, and is removed when it raises."""
     output, mode = output_target(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     # Temp files of earlier pulls to this name that were killed (SIGKILL leaves them).
@@ -247,41 +255,8 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int |
         # mkstemp makes the file 0600; the output gets what a plain open() would give it
         # (or keeps the mode of the file it replaces).
         os.fchmod(fd, new_file_mode() if mode is None else mode)
-        os.ftruncate(fd, manifest.file_size)
-        os.pwrite(fd, header, 0)
-        tokens, _ = fetcher.get(manifest.tokens)
-        os.pwrite(fd, tokens, layout.token_ids.begin)
-
-        chunk_refs = [BlobRef(d, plan_of[d].size) for d in places]
-        # Enough buffers for the chunks in flight and those held for one batched write.
-        buffers = _Buffers(max((r.size for r in chunk_refs), default=0),
-                           2 * workers + SCATTER_BATCH)
-
-        def decoded(ref: BlobRef) -> tuple[memoryview, bytearray]:
-            buf = buffers.take()
-            return memoryview(fetcher.get(ref, buf)[0]), buf
-
-        batch: list[tuple[ChunkPlan, memoryview]] = []
-        held: list[bytearray] = []
-        with _Flusher(fd) as flusher:
-            for ref, (view, buf) in _map(decoded, chunk_refs, workers):
-                held.append(buf)
-                for i in places[ref.digest]:
-                    plan = plans[i]
-                    if bytes(view[: len(plan.header)]) != plan.header:
-                        raise IntegrityError(f"chunk {ref.digest} does not have the layout "
-                                             "its manifest describes")
-                    batch.append((plan, view))
-                if len(batch) >= SCATTER_BATCH:
-                    scatter_many(fd, batch)
-                    batch.clear()
-                    for buf in held:
-                        buffers.give(buf)
-                    held.clear()
-                    flusher.nudge()
-                if progress:
-                    progress(ref.size * len(places[ref.digest]))
-            scatter_many(fd, batch)
+        os.ftruncate(fd, size)
+        yield fd
         os.fsync(fd)
         os.close(fd)
         fd = -1
@@ -294,4 +269,42 @@ def export(manifest: Manifest, fetcher: Fetcher, output: Path, *, workers: int |
             os.unlink(tmp)
         raise
     fsync_dir(output.parent)
-    return fetcher.stats
+
+
+def _write_chunks(fd: int, manifest: Manifest, plans: list[ChunkPlan], fetcher: Fetcher,
+                  workers: int, progress: Progress | None) -> None:
+    """Fetch each distinct chunk once and scatter it to every place the file holds it,
+    in batched writes, reusing a bounded set of buffers."""
+    plan_of = {c.digest: p for c, p in zip(manifest.chunks, plans, strict=True)}
+    places: dict[Digest, list[int]] = {}
+    for i, c in enumerate(manifest.chunks):
+        places.setdefault(c.digest, []).append(i)
+    chunk_refs = [BlobRef(d, plan_of[d].size) for d in places]
+    # Enough buffers for the chunks in flight and those held for one batched write.
+    buffers = _Buffers(max((r.size for r in chunk_refs), default=0),
+                       2 * workers + SCATTER_BATCH)
+
+    def decoded(ref: BlobRef) -> tuple[memoryview, bytearray]:
+        buf = buffers.take()
+        return memoryview(fetcher.get(ref, buf)[0]), buf
+
+    batch: list[tuple[ChunkPlan, memoryview]] = []
+    held: list[bytearray] = []
+    with _Flusher(fd) as flusher:
+        for ref, (view, buf) in _map(decoded, chunk_refs, workers):
+            held.append(buf)
+            for i in places[ref.digest]:
+                if bytes(view[: len(plans[i].header)]) != plans[i].header:
+                    raise IntegrityError(f"chunk {ref.digest} does not have the layout "
+                                         "its manifest describes")
+                batch.append((plans[i], view))
+            if len(batch) >= SCATTER_BATCH:
+                scatter_many(fd, batch)
+                batch.clear()
+                for b in held:
+                    buffers.give(b)
+                held.clear()
+                flusher.nudge()
+            if progress:
+                progress(ref.size * len(places[ref.digest]))
+        scatter_many(fd, batch)

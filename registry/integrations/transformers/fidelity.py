@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from kvgraft import __version__
-from kvgraft.catalog import AttestationRecord
 from kvgraft.client import Registry
 from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import UsageError
@@ -226,10 +225,5 @@ def statement(report: FidelityReport, lm: LoadedModel, creator: str) -> dict[str
 def attest_fidelity(registry: Registry, report: FidelityReport, lm: LoadedModel) -> int:
     creator = f"{registry.user}@{registry.host}"
     body = canonical_json(statement(report, lm, creator))
-    record = AttestationRecord(artifact=report.digest, predicate_type=FIDELITY_PREDICATE,
-                               statement=body)
-    ref = report.reference
-    return registry.catalog.add_attestation(record, registry._event(
-        "attest", repository=ref.name, tag=ref.tag, digest=report.digest,
-        detail={"predicate_type": FIDELITY_PREDICATE,
-                "statement_digest": str(record.statement_digest)}))
+    return registry.trail.attest_bytes(report.digest, FIDELITY_PREDICATE, body,
+                                       reference=report.reference)

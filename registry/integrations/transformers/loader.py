@@ -256,12 +256,11 @@ def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
             raise report.error(what)
         log.warning("FORCED: loading %s into an incompatible model: %s", reference,
                     "; ".join(m.human() for m in report.mismatches))
-        if not registry.config.offline:
-            registry.catalog.add_event(registry._event(
-                "force-incompatible", repository=reference.name, tag=reference.tag,
-                digest=digest, outcome="forced",
-                detail={"model": lm.fingerprint.identity.to_json(),
-                        "mismatches": [m.to_json() for m in report.mismatches]}))
+        registry.events.record(
+            "force-incompatible", repository=reference.name, tag=reference.tag,
+            digest=digest, outcome="forced",
+            detail={"model": lm.fingerprint.identity.to_json(),
+                    "mismatches": [m.to_json() for m in report.mismatches]})
     layout, buf, base = read_kv(manifest, opened.fetcher, workers=workers)
     _check_structure(layout, lm, what)
     if not registry.config.offline and reference.tag is not None:

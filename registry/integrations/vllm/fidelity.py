@@ -174,10 +174,11 @@ def _stage(registry: Registry, manifest: Manifest, stage: Config) -> None:
     reg = Registry(stage)
     try:
         stats = copy_blobs(manifest, registry.store, reg.store)
-        reg.catalog.record_push(PushRecord(
+        reg.transfers.commit(PushRecord(
             manifest, stats.blobs, STAGED.name, STAGED.tag, {},
-            reg._event("copy", repository=STAGED.name, tag=STAGED.tag,
-                       digest=manifest.digest, detail={"purpose": "fidelity check"})))
+            reg.events.event("copy", repository=STAGED.name, tag=STAGED.tag,
+                             digest=manifest.digest, detail={"purpose": "fidelity check"})),
+            lambda: copy_blobs(manifest, registry.store, reg.store).blobs)
     finally:
         reg.close()
 

@@ -166,9 +166,8 @@ def prefetch(registry: Registry, plan: RestorePlan) -> int:
 
 def event(registry: Registry, action: str, digest: str | None, outcome: str,
           detail: Mapping[str, Any], repository: str | None = None) -> None:
-    registry.catalog.add_event(registry._event(
-        action, digest=Digest.parse(digest) if digest else None, outcome=outcome,
-        repository=repository, detail=dict(detail)))
+    registry.events.record(action, digest=Digest.parse(digest) if digest else None,
+                           outcome=outcome, repository=repository, detail=dict(detail))
 
 
 def publish(registry: Registry, ident: EngineIdentity, repository: str, chunk_tokens: int,

@@ -1,0 +1,99 @@
+"""Who knows which artifacts share a token prefix: the SQL catalog's prefix keys, or a
+`kvgraft serve` answering for what its token may pull. Either hands the prefix match
+(kvgraft.services.match) candidates; the match opens each through the policy.
+
+Chunk prefix keys (kvgraft.formats.prefix) narrow it with indexed equality queries: for
+each chunk size in use by the model, the query's chain keys are computed and a binary
+search finds how many leading chunks some artifact shares. Past them, the keys a partial
+last chunk of 1..c-1 query tokens would have find the grafts the query extends (one shorter
+than a chunk included) in one IN query; a token comparison finishes it inside the next
+chunk, over a bounded number of candidates.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvgraft.digest import Digest
+from kvgraft.identity.model import ModelIdentity
+
+if TYPE_CHECKING:
+    from kvgraft.catalog import Catalog
+    from kvgraft.remote.http import HttpRemote
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    digest: Digest
+    covers: int  # leading query tokens it is known to cover
+    chunk_tokens: int
+    shared_chunks: int  # full chunks matched by prefix key alone
+    exact: bool = False  # `covers` is the final length (else compare tokens past it)
+    token_count: int | None = None  # when the index knows it
+    references: tuple[str, ...] | None = None  # when the index knows them
+
+
+class PrefixIndex(Protocol):
+    def candidates(self, identity: ModelIdentity, ids: Sequence[int],
+                   limit: int) -> Iterator[Candidate]: ...
+
+
+class CatalogPrefixIndex:
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    def candidates(self, identity: ModelIdentity, ids: Sequence[int],
+                   limit: int) -> Iterator[Candidate]:
+        from kvgraft.catalog.lookup import chunk_sizes
+
+        query = struct.pack(f"<{len(ids)}q", *ids)
+        for c in chunk_sizes(self.catalog, identity.key):
+            shared, found = self._by_size(identity, query, len(ids), c, limit)
+            for digest, known in found.items():
+                yield Candidate(digest, known, c, shared)
+
+    def _by_size(self, identity: ModelIdentity, query: bytes, n: int, c: int,
+                 limit: int) -> tuple[int, dict[Digest, int]]:
+        """(full chunks shared by key, {artifact: tokens it is known to cover}) for chunk
+        size `c`. Artifacts holding the last shared full chunk cover at least those chunks
+        (tokens compared later may extend it); an artifact whose partial last chunk's key
+        is one of the query's tail keys covers exactly up to that key."""
+        from kvgraft.catalog.lookup import artifacts_with_key, artifacts_with_keys, deepest_prefix
+        from kvgraft.formats.prefix import prefix_keys, tail_keys
+
+        keys = prefix_keys(identity, query, c)
+        full = n // c  # the last key covers a partial span unless this divides
+        shared = deepest_prefix(self.catalog, keys[:full])
+        found: dict[Digest, int] = {}
+        if shared:
+            for digest, _ in artifacts_with_key(self.catalog, keys[shared - 1], limit):
+                found[digest] = shared * c
+        rest = min(n - shared * c, c - 1)  # a span of c tokens would be a full chunk
+        tails = tail_keys(identity, query, keys[shared - 1] if shared else None, shared * c,
+                          rest)
+        length_of = {k: shared * c + r for r, k in enumerate(tails, start=1)}
+        for digest, key in artifacts_with_keys(self.catalog, tails, limit):
+            found[digest] = max(found.get(digest, 0), length_of[key])
+        return shared, found
+
+
+class ServerPrefixIndex:
+    """The server holds the prefix index, and answers only what the token may pull: its
+    one answer is final (the policy is still checked here, with this machine's keys)."""
+
+    def __init__(self, remote: HttpRemote) -> None:
+        self.remote = remote
+
+    def candidates(self, identity: ModelIdentity, ids: Sequence[int],
+                   limit: int) -> Iterator[Candidate]:
+        found = self.remote.match(identity, ids)
+        if found is None:
+            return
+        yield Candidate(Digest.parse(found["digest"]), int(found["length"]),
+                        int(found["chunk_tokens"]), int(found["shared_chunks"]), exact=True,
+                        token_count=int(found["token_count"]),
+                        references=tuple(str(r) for r in found["references"]))
+
