@@ -57,7 +57,7 @@ REPEAT = 6  # requests per prompt and engine: the first is cold (or fetches), th
 # ExampleConnector saves only the first prefill step of a prompt (vLLM schedules 4096
 # tokens a step here) and then fails to load it into the whole prompt's blocks
 EXAMPLE_MAX_TOKENS = 4096
-# the connector's timing lines (registry/integrations/vllm/connector.py)
+# the connector's timing lines (registry/integrations/vllm/scheduler.py, worker.py)
 _LOOKUP = re.compile(r"kvgraft: request \S+ restores \d+ of (\d+) prompt tokens .*\(lookup "
                      r"([\d.]+) s, policy ([\d.]+) s, fetch ([\d.]+) s")
 _RESTORED = re.compile(r"kvgraft: restored \d+ tokens of \S+ into \d+ blocks \([\d.]+ MB in "

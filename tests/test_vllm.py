@@ -529,7 +529,7 @@ def test_scheduler_answers_off_its_thread_remembers_and_forgets(
             path.unlink()
         (tmp_path / "blobs" / "sha256" / chunk.hex[:2] / chunk.hex[2:]).unlink()
         assert _answer(conn, _request("r3", Q1))[0] == 0
-        assert not conn._recent  # forgotten: the next request asks the catalog again
+        assert not conn.connector_scheduler.recent  # forgotten: the next request asks the catalog
         assert _answer(conn, _request("r4", Q1))[0] == 0
         assert sum("a recent graft: no catalog query" in ln for ln in lines) == 1
     finally:

@@ -224,6 +224,32 @@ def verify_vllm(registry: Registry, model_dir: Path, ref: Reference | str, *,
     opened = registry.open(reference, require_signed_by=require_signed_by,
                            for_verification=True, action="verify-graft")
     manifest = opened.manifest
+    kv_dtype, cross = _checkable(registry, model_dir, reference, manifest, dtype,
+                                 allow_cross_engine)
+    data, _ = opened.fetcher.get(manifest.tokens)
+    view = memoryview(data)
+    prefix = list(struct.unpack(f"<{view.nbytes // 8}q", view))
+    t0 = time.perf_counter()
+    result = _check_on_engine(registry, manifest, {
+        "model": str(model_dir), "dtype": _VLLM_DTYPES[kv_dtype], "prefix": prefix,
+        "suffix": list(suffix_ids), "steps": steps, "cross": cross,
+        "expected": manifest.model.to_json(),
+        "graft_engine": manifest.model_config.get("engine")})
+    report = VllmFidelityReport(
+        reference, opened.digest, CROSS if cross else SAME, len(prefix), tuple(suffix_ids),
+        int(result["restored"]), int(result["reference_cached"]),
+        tuple(Step(**s) for s in result["steps"]), result["engine"],
+        ModelIdentity.from_json(result["identity"]), tuple(result["restore_failures"]),
+        timings={**result["timings"], "total": round(time.perf_counter() - t0, 3)})
+    if attest and (report.byte_exact or (cross and report.ok)):
+        report = replace(report, attestation=attest_vllm(registry, report))
+    return report
+
+
+def _checkable(registry: Registry, model_dir: Path, reference: Reference, manifest: Manifest,
+               dtype: str | None, allow_cross_engine: bool) -> tuple[str, bool]:
+    """(KV dtype, cross-engine?) of a graft this model directory can check in vLLM; a graft
+    of another model, or of another engine unless allowed, is refused."""
     kv_dtype = (dtype or manifest.layers[0].dtype).upper()
     if kv_dtype not in _VLLM_DTYPES:
         raise UsageError(f"vLLM cannot run the model in {kv_dtype}")
@@ -237,38 +263,28 @@ def verify_vllm(registry: Registry, model_dir: Path, ref: Reference | str, *,
     bad = _mismatches(manifest, fp, cross)
     if bad:
         raise IncompatibleModel(f"graft {reference} is not for this model: " + "; ".join(bad))
-    data, _ = opened.fetcher.get(manifest.tokens)
-    view = memoryview(data)
-    prefix = list(struct.unpack(f"<{view.nbytes // 8}q", view))
-    t0 = time.perf_counter()
+    return kv_dtype, cross
+
+
+def _check_on_engine(registry: Registry, manifest: Manifest,
+                     spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine process's result for `spec`, its private registries in a temporary
+    directory, the graft staged in one of them."""
     with tempfile.TemporaryDirectory(prefix="kvgraft-vllm-fidelity-") as tmp:
         root = Path(tmp)
         stage, engine = _configs(root, registry.config.cache_dir)
-        spec = {"model": str(model_dir), "dtype": _VLLM_DTYPES[kv_dtype],
-                "prefix": prefix, "suffix": list(suffix_ids), "steps": steps,
-                "cross": cross, "expected": manifest.model.to_json(),
-                "graft_engine": manifest.model_config.get("engine"),
-                "stage": _config_json(stage), "engine_registry": _config_json(engine)}
+        full = {**spec, "stage": _config_json(stage), "engine_registry": _config_json(engine)}
         # what this vLLM would serve, from its configuration alone: another engine or a
         # graft shorter than a block is refused before an engine starts
         from vllm.engine.arg_utils import EngineArgs
 
         _logs_to_stderr()
-        check_engine(EngineArgs(**engine_kwargs(spec)).create_engine_config(), spec)
+        check_engine(EngineArgs(**engine_kwargs(full)).create_engine_config(), full)
         _stage(registry, manifest, stage)
         try:
-            result = _run_engine(spec, root / "engine.log")
+            return _run_engine(full, root / "engine.log")
         except subprocess.TimeoutExpired:
             raise RegistryError(f"the vLLM engine ran over {ENGINE_TIMEOUT:.0f} s") from None
-    report = VllmFidelityReport(
-        reference, opened.digest, CROSS if cross else SAME, len(prefix), tuple(suffix_ids),
-        int(result["restored"]), int(result["reference_cached"]),
-        tuple(Step(**s) for s in result["steps"]), result["engine"],
-        ModelIdentity.from_json(result["identity"]), tuple(result["restore_failures"]),
-        timings={**result["timings"], "total": round(time.perf_counter() - t0, 3)})
-    if attest and (report.byte_exact or (cross and report.ok)):
-        report = replace(report, attestation=attest_vllm(registry, report))
-    return report
 
 
 def _logs_to_stderr() -> None:
@@ -332,8 +348,7 @@ def _compare(i: int, graft: Any, ref: Any, g_tok: int, r_tok: int) -> dict[str, 
 
 def _events(config: Mapping[str, str], wait: float) -> list[Any]:
     """The engine registry's restore events (written off the request path: waited for)."""
-    reg = Registry(Config(Path(config["home"]), config["catalog_url"], config["blob_url"],
-                          Path(config["cache_dir"])))
+    reg = _registry(config)
     try:
         deadline = time.monotonic() + wait
         while True:
@@ -382,6 +397,21 @@ def check_engine(vllm_config: Any, spec: Mapping[str, Any]) -> EngineIdentity:
     return ident
 
 
+def _registry(config: Mapping[str, str]) -> Registry:
+    return Registry(Config(Path(config["home"]), config["catalog_url"], config["blob_url"],
+                           Path(config["cache_dir"])))
+
+
+def _copy_staged(spec: Mapping[str, Any]) -> None:
+    """Copy the staged graft into the registry the engine's connector reads."""
+    stage, target = _registry(spec["stage"]), _registry(spec["engine_registry"])
+    try:
+        stage.copy(STAGED, target, STAGED)
+    finally:
+        stage.close()
+        target.close()
+
+
 def run_engine(spec: Mapping[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -403,15 +433,7 @@ def run_engine(spec: Mapping[str, Any]) -> dict[str, Any]:
     t2 = time.perf_counter()
     if not llm.reset_prefix_cache():
         raise RegistryError("vLLM did not empty its prefix cache")
-    stage = Registry(Config(Path(spec["stage"]["home"]), spec["stage"]["catalog_url"],
-                            spec["stage"]["blob_url"], Path(spec["stage"]["cache_dir"])))
-    target = Registry(Config(Path(eng["home"]), eng["catalog_url"], eng["blob_url"],
-                             Path(eng["cache_dir"])))
-    try:
-        stage.copy(STAGED, target, STAGED)
-    finally:
-        stage.close()
-        target.close()
+    _copy_staged(spec)
     graft = generate(prompt)
     t3 = time.perf_counter()
     restored = int(graft.num_cached_tokens or 0)
