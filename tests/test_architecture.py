@@ -183,7 +183,10 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_modules_import_only_their_own_layer_or_lower() -> None:
     modules, found = all_imports()
-    problems = [p for imp in found if (p := layer_problem(imp, modules))]
+    problems = [f"{path.relative_to(ROOT)}: kvgraft.{area(name)} has no layer: add it to "
+                f"LAYERS in tests/test_architecture.py and to the table in docs/architecture.md"
+                for name, path in modules.items() if area(name) not in LAYERS]
+    problems += [p for imp in found if (p := layer_problem(imp, modules))]
     if problems:
         pytest.fail("imports against the layer table (docs/architecture.md):\n"
                     + "\n".join(problems), pytrace=False)
