@@ -8,13 +8,14 @@ The application mounts these routes beside its API:
     Starlette(routes=[*api_routes, *web_routes(lambda: registry)])
 
 `open_registry` is called on every request and returns the application's Registry (the
-routes never close it). Handlers are plain functions: Starlette runs them in its thread
+routes never close it). Handlers are synchronous methods: Starlette runs them in its thread
 pool, so blocking catalog queries do not stall the event loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from http import HTTPStatus
 from urllib.parse import urlencode
@@ -101,122 +102,139 @@ def web_routes(open_registry: Callable[[], Registry], *,
     Browsers send credentials by Basic auth: any user name, the token as the password."""
     templates = _templates()
     templates.env.globals["sign_in"] = access is not None
+    pages = _Pages(templates, open_registry, access)
+    get = ["GET", "HEAD"]
+    return [
+        Route("/", pages.index, methods=get, name="web_index"),
+        Route("/ui/login", pages.login, methods=get, name="web_login"),
+        Route("/ui/r/{name:path}", pages.repository, methods=get, name="web_repository"),
+        Route("/ui/a/{digest}", pages.artifact, methods=get, name="web_artifact"),
+        Route("/ui/ref/{ref:path}", pages.reference, methods=get, name="web_reference"),
+    ]
 
-    def render(request: Request, name: str, status: int = 200,
+
+@dataclass(frozen=True)
+class _Pages:
+    """The handlers, over one way to open the registry and one access check."""
+
+    templates: Jinja2Templates
+    open_registry: Callable[[], Registry]
+    access: Access | None
+
+    def render(self, request: Request, name: str, status: int = 200,
                headers: dict[str, str] | None = None, **context: object) -> Response:
-        return templates.TemplateResponse(request, name, context, status_code=status,
-                                          headers={**HEADERS, **(headers or {})})
+        return self.templates.TemplateResponse(request, name, context, status_code=status,
+                                               headers={**HEADERS, **(headers or {})})
 
-    def failed(request: Request, e: RegistryError, code: int | None = None,
+    def failed(self, request: Request, e: RegistryError, code: int | None = None,
                headers: dict[str, str] | None = None) -> Response:
         code = code or _status(e)
-        return render(request, "error.html", code, headers, error=e,
-                      status_text=HTTPStatus(code).phrase)
+        return self.render(request, "error.html", code, headers, error=e,
+                           status_text=HTTPStatus(code).phrase)
 
-    def viewer(request: Request) -> Visible:
-        return everything if access is None else access(request)
+    def viewer(self, request: Request) -> Visible:
+        return everything if self.access is None else self.access(request)
 
-    def hidden(request: Request, e: NotFound) -> Response:
+    def hidden(self, request: Request, e: NotFound) -> Response:
         """What a viewer gets for something it may not read: without credentials, a
         challenge (the browser asks for a token), whether or not it exists; with them,
         the same answer as for something that does not exist."""
         if "authorization" in request.headers:
-            return failed(request, e)
-        return failed(request, RegistryError(
+            return self.failed(request, e)
+        return self.failed(request, RegistryError(
             "this needs a token with pull access",
             hint="sign in with any user name and the token as the password"), 401, _CHALLENGE)
 
-    def unauthorised(request: Request, e: PermissionError) -> Response:
-        return failed(request, RegistryError(f"credentials refused: {e}"), 401, _CHALLENGE)
+    def unauthorised(self, request: Request, e: PermissionError) -> Response:
+        return self.failed(request, RegistryError(f"credentials refused: {e}"), 401, _CHALLENGE)
 
-    def listing(request: Request, repository: str | None) -> Response:
+    def listing(self, request: Request, repository: str | None) -> Response:
         p = request.query_params
         query = Search(name=p.get("q", ""), label=p.get("label", ""),
                        model=p.get("model", ""), repository=repository)
         try:
-            visible = viewer(request)
+            visible = self.viewer(request)
             if repository is not None and not visible(repository):
-                return hidden(request, NotFound(f"repository {repository} is not in the catalog"))
-            if max(len(query.name), len(query.label), len(query.model)) > _QUERY_MAX:
-                raise UsageError(f"search text is longer than {_QUERY_MAX} characters")
-            try:
-                offset = max(0, int(p.get("offset", "0")))
-            except ValueError:
-                raise UsageError("offset must be a whole number") from None
-            rows, more = search(server_catalog(open_registry()), query, limit=PAGE_SIZE,
+                return self.hidden(request,
+                                   NotFound(f"repository {repository} is not in the catalog"))
+            offset = _offset(query, p.get("offset", "0"))
+            rows, more = search(server_catalog(self.open_registry()), query, limit=PAGE_SIZE,
                                 offset=offset)
         except PermissionError as e:
-            return unauthorised(request, e)
+            return self.unauthorised(request, e)
         except RegistryError as e:
-            return failed(request, e)
+            return self.failed(request, e)
         rows = [r for r in rows if visible(r.repository)]
         if repository is not None and not rows and not offset and not (
                 query.name or query.label or query.model):
-            return failed(request, NotFound(f"repository {repository} is not in the catalog",
-                                            hint="`kvgraft ls` lists what the catalog holds"))
+            return self.failed(request, NotFound(
+                f"repository {repository} is not in the catalog",
+                hint="`kvgraft ls` lists what the catalog holds"))
         nxt = None
         if more:
             keep = {k: v for k, v in p.items() if k != "offset" and v}
             nxt = "?" + urlencode({**keep, "offset": offset + PAGE_SIZE})
-        return render(request, "index.html", query=query, groups=_groups(rows),
-                      count=len(rows), offset=offset, next_page=nxt)
+        return self.render(request, "index.html", query=query, groups=_groups(rows),
+                           count=len(rows), offset=offset, next_page=nxt)
 
-    def index(request: Request) -> Response:
-        return listing(request, None)
+    def index(self, request: Request) -> Response:
+        return self.listing(request, None)
 
-    def repository(request: Request) -> Response:
+    def repository(self, request: Request) -> Response:
         name = request.path_params["name"]
         try:
             check_name(name)
         except UsageError as e:
-            return failed(request, e)
-        return listing(request, name)
+            return self.failed(request, e)
+        return self.listing(request, name)
 
-    def artifact(request: Request) -> Response:
+    def artifact(self, request: Request) -> Response:
         try:
             digest = Digest.parse(request.path_params["digest"])
-            view = artifact_view(open_registry(), digest, viewer(request))
+            view = artifact_view(self.open_registry(), digest, self.viewer(request))
         except PermissionError as e:
-            return unauthorised(request, e)
+            return self.unauthorised(request, e)
         except NotVisible as e:
-            return hidden(request, e)
+            return self.hidden(request, e)
         except RegistryError as e:  # a corrupt manifest too: said, never shown
-            return failed(request, e)
+            return self.failed(request, e)
 
         def href(d: Digest) -> str:
             return str(request.url_for("web_artifact", digest=str(d)))
 
-        return render(request, "artifact.html", view=view, lineage_svg=svg(view.lineage, href))
+        return self.render(request, "artifact.html", view=view,
+                           lineage_svg=svg(view.lineage, href))
 
-    def reference(request: Request) -> Response:
+    def reference(self, request: Request) -> Response:
         try:
             ref = Reference.parse(request.path_params["ref"])
-            if not viewer(request)(ref.name):
-                return hidden(request, NotFound(f"{ref} is not in the catalog"))
-            digest = open_registry().resolve(ref)
+            if not self.viewer(request)(ref.name):
+                return self.hidden(request, NotFound(f"{ref} is not in the catalog"))
+            digest = self.open_registry().resolve(ref)
         except PermissionError as e:
-            return unauthorised(request, e)
+            return self.unauthorised(request, e)
         except RegistryError as e:
-            return failed(request, e)
+            return self.failed(request, e)
         return RedirectResponse(request.url_for("web_artifact", digest=str(digest)), 302)
 
-    def login(request: Request) -> Response:
+    def login(self, request: Request) -> Response:
         """Ask the browser for credentials, then go back to the listing."""
         try:
-            viewer(request)
+            self.viewer(request)
         except PermissionError as e:
-            return unauthorised(request, e)
+            return self.unauthorised(request, e)
         if "authorization" not in request.headers:
-            return failed(request, RegistryError("sign in with a token",
-                                                 hint="any user name; the token as password"),
-                          401, _CHALLENGE)
+            return self.failed(request, RegistryError(
+                "sign in with a token", hint="any user name; the token as password"),
+                401, _CHALLENGE)
         return RedirectResponse(request.url_for("web_index"), 303)
 
-    get = ["GET", "HEAD"]
-    return [
-        Route("/", index, methods=get, name="web_index"),
-        Route("/ui/login", login, methods=get, name="web_login"),
-        Route("/ui/r/{name:path}", repository, methods=get, name="web_repository"),
-        Route("/ui/a/{digest}", artifact, methods=get, name="web_artifact"),
-        Route("/ui/ref/{ref:path}", reference, methods=get, name="web_reference"),
-    ]
+
+def _offset(query: Search, given: str) -> int:
+    """The listing's offset, once the search text is known to be short enough."""
+    if max(len(query.name), len(query.label), len(query.model)) > _QUERY_MAX:
+        raise UsageError(f"search text is longer than {_QUERY_MAX} characters")
+    try:
+        return max(0, int(given))
+    except ValueError:
+        raise UsageError("offset must be a whole number") from None
