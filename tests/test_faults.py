@@ -351,7 +351,7 @@ def test_stalled_postgres_catalog_fails_in_seconds(silent_server: int) -> None:
 
 
 def test_s3_timeouts_from_env() -> None:
-    from kvgraft.blobstore.s3 import S3Settings
+    from kvgraft.blobstore.s3settings import S3Settings
     from kvgraft.errors import UsageError
 
     s = S3Settings.from_env({"KVGRAFT_S3_CONNECT_TIMEOUT": "2.5", "KVGRAFT_S3_READ_TIMEOUT": "30"})

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from kvgraft.blobstore import open_store
-from kvgraft.blobstore.s3 import MiB, S3BlobStore, S3Settings
+from kvgraft.blobstore.s3 import S3BlobStore
+from kvgraft.blobstore.s3settings import MiB, S3Settings
 from kvgraft.digest import Digest
 from kvgraft.errors import MissingExtra, NotFound, Unavailable, UsageError
 from tests.support.daemons import free_ports

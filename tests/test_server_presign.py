@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from kvgraft.blobstore.s3 import S3BlobStore, S3Settings
+from kvgraft.blobstore.s3 import S3BlobStore
+from kvgraft.blobstore.s3settings import S3Settings
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, Unavailable, UsageError
 from kvgraft.reference import Reference

@@ -13,13 +13,11 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import os
 import re
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, Literal, NoReturn, TypeVar, cast
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
 import boto3
@@ -27,6 +25,8 @@ import botocore.config
 import botocore.exceptions
 
 from kvgraft.blobstore.base import BlobInfo, blob_path, too_large
+from kvgraft.blobstore.s3io import BodyReader, PartsReader, read_exactly, slices
+from kvgraft.blobstore.s3settings import S3Settings
 from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import NotFound, Unavailable, UsageError
 
@@ -34,15 +34,10 @@ if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
     from mypy_boto3_s3.type_defs import CompletedPartTypeDef
 
-MiB = 1 << 20
 T = TypeVar("T")
 _log = logging.getLogger("kvgraft.s3")
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _HEX = re.compile(r"[0-9a-f]+")
-Addressing = Literal["path", "virtual", "auto"]
-RetryMode = Literal["legacy", "standard", "adaptive"]
-_ADDRESSING: tuple[Addressing, ...] = ("path", "virtual", "auto")
-_RETRY_MODES: tuple[RetryMode, ...] = ("legacy", "standard", "adaptive")
 _MISSING = ("404", "NoSuchKey", "NotFound")
 _DENIED = ("403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
            "InvalidToken", "ExpiredToken", "AllAccessDisabled")
@@ -55,222 +50,6 @@ _NETWORK = (botocore.exceptions.EndpointConnectionError,
             botocore.exceptions.ConnectTimeoutError,
             botocore.exceptions.ReadTimeoutError,
             botocore.exceptions.ProxyConnectionError)
-
-
-def _int(env: Mapping[str, str], name: str, default: int, minimum: int = 1) -> int:
-    raw = env.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UsageError(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise UsageError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise UsageError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not 0 < value <= 3600:
-        raise UsageError(f"{name} must be between 0 and 3600 seconds, got {raw!r}")
-    return value
-
-
-def _payload_signing(raw: str) -> bool | None:
-    choices = {"auto": None, "on": True, "off": False}
-    if raw not in choices:
-        raise UsageError(f"KVGRAFT_S3_PAYLOAD_SIGNING must be auto, on or off, got {raw!r}")
-    return choices[raw]
-
-
-@dataclass(frozen=True, slots=True)
-class S3Settings:
-    """How the store talks to S3; `from_env` documents each variable."""
-
-    endpoint_url: str | None = None  # None: boto3's own resolution (AWS_ENDPOINT_URL_S3, …)
-    # Where clients reach the bucket, when that is not where this process does (a server
-    # inside a cluster, clients outside it): presigned URLs are signed for this host.
-    public_endpoint_url: str | None = None
-    addressing: Addressing = "auto"
-    # A stalled endpoint fails within a minute by default: 4 attempts of at most
-    # connect 5 s + read 10 s each, plus standard-mode backoff (< 8 s in all). The read
-    # timeout bounds each wait for the next bytes, not a whole transfer.
-    max_attempts: int = 4  # including the first try
-    retry_mode: RetryMode = "standard"
-    multipart_threshold: int = 16 * MiB
-    part_size: int = 8 * MiB
-    concurrency: int = 8  # parts in flight for one large blob
-    connect_timeout: float = 5.0
-    read_timeout: float = 10.0
-    # Readers hash every blob against its SHA-256 key, so validating the server's CRC on
-    # each GET only repeats that check; uploads keep botocore's checksums (the server
-    # verifies them, catching corruption in transit before it is stored for good).
-    response_checksum_validation: Literal["when_supported", "when_required"] = "when_required"
-    # SHA-256 of every upload body in its SigV4 signature. None: botocore's choice (signed
-    # over http, not over https where TLS and the CRC32 checksum cover it). False saves a
-    # SHA-256 of every byte sent over http, and is safe only with a server that checks
-    # x-amz-checksum-crc32 (SeaweedFS, AWS, MinIO); Ceph RGW ignores that header and checks
-    # only the signed payload hash (docs/deploy.md).
-    payload_signing: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.addressing not in _ADDRESSING:
-            raise UsageError(f"S3 addressing must be one of {', '.join(_ADDRESSING)}, "
-                             f"got {self.addressing!r}")
-        if self.response_checksum_validation not in ("when_supported", "when_required"):
-            raise UsageError("AWS_RESPONSE_CHECKSUM_VALIDATION must be when_supported or "
-                             f"when_required, got {self.response_checksum_validation!r}")
-        if self.retry_mode not in _RETRY_MODES:
-            raise UsageError(f"the S3 retry mode must be one of {', '.join(_RETRY_MODES)}, "
-                             f"got {self.retry_mode!r}")
-        if self.part_size < 5 * MiB:
-            raise UsageError("S3 multipart parts must be at least 5 MiB")
-        if self.multipart_threshold < self.part_size:
-            raise UsageError("the S3 multipart threshold must be at least one part")
-        public = urlsplit(self.public_endpoint_url or "http://x")
-        if public.scheme not in ("http", "https") or not public.netloc or public.query:
-            raise UsageError("KVGRAFT_S3_PUBLIC_ENDPOINT_URL must be an http(s)://host[:port] "
-                             f"URL, got {self.public_endpoint_url!r}")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> S3Settings:
-        """KVGRAFT_S3_ENDPOINT_URL (wins over AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, which
-        boto3 reads itself), KVGRAFT_S3_ADDRESSING=path|virtual|auto (default path when an
-        endpoint is configured: S3-compatible servers rarely have wildcard DNS),
-        AWS_MAX_ATTEMPTS / AWS_RETRY_MODE (botocore's names), KVGRAFT_S3_CONNECT_TIMEOUT /
-        KVGRAFT_S3_READ_TIMEOUT (seconds), KVGRAFT_S3_MULTIPART_MIB,
-        KVGRAFT_S3_PART_MIB, KVGRAFT_S3_CONCURRENCY, AWS_RESPONSE_CHECKSUM_VALIDATION,
-        KVGRAFT_S3_PUBLIC_ENDPOINT_URL (the endpoint presigned URLs name),
-        KVGRAFT_S3_PAYLOAD_SIGNING=auto|on|off (SHA-256 of upload bodies in the signature;
-        auto: botocore's choice)."""
-        env = os.environ if env is None else env
-        endpoint = env.get("KVGRAFT_S3_ENDPOINT_URL") or None
-        custom = bool(endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"))
-        part = _int(env, "KVGRAFT_S3_PART_MIB", 8, 5) * MiB
-        return cls(
-            endpoint_url=endpoint,
-            public_endpoint_url=env.get("KVGRAFT_S3_PUBLIC_ENDPOINT_URL") or None,
-            # Validated in __post_init__, which names the variable's allowed values.
-            addressing=cast(Addressing, env.get("KVGRAFT_S3_ADDRESSING")
-                            or ("path" if custom else "auto")),
-            max_attempts=_int(env, "AWS_MAX_ATTEMPTS", 4),
-            connect_timeout=_seconds(env, "KVGRAFT_S3_CONNECT_TIMEOUT", 5.0),
-            read_timeout=_seconds(env, "KVGRAFT_S3_READ_TIMEOUT", 10.0),
-            retry_mode=cast(RetryMode, env.get("AWS_RETRY_MODE") or "standard"),
-            multipart_threshold=max(_int(env, "KVGRAFT_S3_MULTIPART_MIB", 16, 5) * MiB, part),
-            part_size=part,
-            concurrency=_int(env, "KVGRAFT_S3_CONCURRENCY", 8),
-            response_checksum_validation=cast(
-                Literal["when_supported", "when_required"],
-                env.get("AWS_RESPONSE_CHECKSUM_VALIDATION") or "when_required"),
-            payload_signing=_payload_signing(env.get("KVGRAFT_S3_PAYLOAD_SIGNING") or "auto"),
-        )
-
-    def botocore_config(self) -> botocore.config.Config:
-        return botocore.config.Config(
-            s3=({"addressing_style": self.addressing} if self.payload_signing is None else
-                {"addressing_style": self.addressing,
-                 "payload_signing_enabled": self.payload_signing}),
-            retries={"mode": self.retry_mode, "total_max_attempts": self.max_attempts},
-            connect_timeout=self.connect_timeout,
-            read_timeout=self.read_timeout,
-            response_checksum_validation=self.response_checksum_validation,
-            # Part uploads of one blob plus the callers' own worker threads share the pool.
-            max_pool_connections=max(16, 2 * self.concurrency),
-        )
-
-
-class _PartsReader(io.RawIOBase):
-    """A seekable reader over a sequence of buffers, so an upload streams them without
-    joining them into one copy (botocore rewinds it to retry or to checksum)."""
-
-    def __init__(self, parts: Sequence[Buffer]) -> None:
-        self._parts = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
-        self._size = sum(p.nbytes for p in self._parts)
-        self._pos = 0
-        self._index = 0  # the part holding _pos
-        self._offset = 0  # _pos within that part
-
-    def __len__(self) -> int:
-        return self._size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = min(max(base + offset, 0), self._size)
-        self._index, self._offset, rest = 0, 0, self._pos
-        while self._index < len(self._parts) and rest >= self._parts[self._index].nbytes:
-            rest -= self._parts[self._index].nbytes
-            self._index += 1
-        self._offset = rest
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        done = 0
-        while done < out.nbytes and self._index < len(self._parts):
-            part = self._parts[self._index]
-            n = min(out.nbytes - done, part.nbytes - self._offset)
-            out[done:done + n] = part[self._offset:self._offset + n]
-            done += n
-            self._offset += n
-            if self._offset == part.nbytes:
-                self._index, self._offset = self._index + 1, 0
-        self._pos += done
-        return done
-
-
-def _slices(parts: Sequence[Buffer], start: int, end: int) -> list[memoryview]:
-    """Views of bytes [start, end) of the concatenation of `parts` (no copy)."""
-    out: list[memoryview] = []
-    pos = 0
-    for p in parts:
-        view = memoryview(p).cast("B")
-        lo, hi = max(start - pos, 0), min(end - pos, view.nbytes)
-        if lo < hi:
-            out.append(view[lo:hi])
-        pos += view.nbytes
-    return out
-
-
-class _BodyReader(io.RawIOBase):
-    """A raw reader over a botocore streaming body, so callers get a real BinaryIO."""
-
-    def __init__(self, body: Any, fail: Callable[[Exception], NoReturn]) -> None:
-        self._body = body
-        self._fail = fail
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        try:
-            data = self._body.read(out.nbytes)
-        except (botocore.exceptions.BotoCoreError, OSError) as e:
-            self._fail(e)
-        out[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            self._body.close()
-        super().close()
 
 
 class S3BlobStore:
@@ -412,7 +191,7 @@ class S3BlobStore:
 
     def open(self, digest: Digest) -> BinaryIO:
         response = self._get_object(digest)
-        raw = _BodyReader(response["Body"], lambda e: self._fail(e, f"read blob {digest}"))
+        raw = BodyReader(response["Body"], lambda e: self._fail(e, f"read blob {digest}"))
         return cast(BinaryIO, io.BufferedReader(raw, buffer_size=256 << 10))
 
     def get(self, digest: Digest, max_size: int | None = None) -> bytes:
@@ -433,7 +212,7 @@ class S3BlobStore:
             except (botocore.exceptions.BotoCoreError, OSError) as e:
                 self._fail(e, f"read blob {digest}")
             return data
-        body = _BodyReader(response["Body"], lambda e: self._fail(e, f"read blob {digest}"))
+        body = BodyReader(response["Body"], lambda e: self._fail(e, f"read blob {digest}"))
         out = bytearray(size)
         view = memoryview(out)
         etag = response.get("ETag") or None
@@ -444,7 +223,7 @@ class S3BlobStore:
             if etag:
                 kw["IfMatch"] = etag  # the parts must come from one object version
             r = self._get_object(digest, **kw)
-            _read_exactly(_BodyReader(r["Body"], lambda e: self._fail(e, f"read {digest}")),
+            read_exactly(BodyReader(r["Body"], lambda e: self._fail(e, f"read {digest}")),
                           view[start:end], f"blob {digest} in {self.url}")
 
         starts = range(part, size, part)
@@ -452,7 +231,7 @@ class S3BlobStore:
                                 thread_name_prefix="kvgraft-s3-get") as pool:
             futures = [pool.submit(fetch_range, s) for s in starts]
             with body:
-                _read_exactly(body, view[:part], f"blob {digest} in {self.url}")
+                read_exactly(body, view[:part], f"blob {digest} in {self.url}")
             for f in futures:
                 f.result()
         # One copy, for the rare blob above the multipart threshold: the protocol hands out
@@ -548,7 +327,7 @@ class S3BlobStore:
         condition: dict[str, Any] = {"IfNoneMatch": "*"} if create else {}
         with _race_errors():
             self.client.put_object(Bucket=self.bucket, Key=self._key(digest),
-                                   Body=cast(IO[bytes], _PartsReader(parts)), ContentLength=size,
+                                   Body=cast(IO[bytes], PartsReader(parts)), ContentLength=size,
                                    **condition)
 
     def _put_multipart(self, digest: Digest, parts: Sequence[Buffer], size: int, *,
@@ -566,7 +345,7 @@ class S3BlobStore:
             r = self.client.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id,
                                         PartNumber=number,
                                         Body=cast(IO[bytes],
-                                                  _PartsReader(_slices(parts, start, end))),
+                                                  PartsReader(slices(parts, start, end))),
                                         ContentLength=end - start)
             return {"PartNumber": number, "ETag": r["ETag"]}
 
@@ -646,13 +425,3 @@ def _no_such_bucket(e: botocore.exceptions.ClientError) -> botocore.exceptions.C
     """head_bucket's 404 carries no body; give it the code a GET would have had."""
     return botocore.exceptions.ClientError({"Error": {"Code": "NoSuchBucket"}},
                                            e.operation_name)
-
-
-def _read_exactly(reader: io.RawIOBase, out: memoryview, what: str) -> None:
-    done = 0
-    while done < out.nbytes:
-        n = reader.readinto(out[done:])
-        if not n:
-            raise Unavailable(f"{what}: the server sent {done} of {out.nbytes} bytes",
-                              hint="retry; the connection was cut")
-        done += n
