@@ -278,13 +278,14 @@ def test_copy_back_refuses_an_oci_artifact_that_is_not_a_graft(
     put = requests.put(loc, params={"digest": digest}, data=config,
                        headers={"Content-Type": "application/octet-stream"})
     assert put.status_code == 201, put.text
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+    media_type = "application/vnd.oci.image.manifest.v1+json"
+    manifest = {"schemaVersion": 2, "mediaType": media_type,
                 "config": {"mediaType": "application/vnd.oci.empty.v1+json",
                            "digest": digest, "size": 2},
                 "layers": [{"mediaType": "application/vnd.oci.empty.v1+json",
                             "digest": digest, "size": 2}]}
     r = requests.put(f"{base}/manifests/v1", data=json.dumps(manifest),
-                     headers={"Content-Type": manifest["mediaType"]})
+                     headers={"Content-Type": media_type})
     assert r.status_code == 201, r.text
     env = server_env(tmp_path / "home")
     out = _cli(env, "copy", f"oci+http://{hostport}/plain/image:v1", "plain/image:v1")
