@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from kvgraft.cli.main import cli
 from kvgraft.errors import NotFound
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import write_synthetic
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import unavailable
+from tests.support.harness import unavailable
 from tests.support.serve import Server, free_port, kvgraft, make_token, running_server, server_env
 from tests.support.synthetic import write_synthetic
 
@@ -295,7 +295,7 @@ def test_copy_back_refuses_an_oci_artifact_that_is_not_a_graft(
 
 def test_copy_over_https_verifies_the_registry_certificate(graft_file: Path,
                                                            tmp_path: Path) -> None:
-    from tests.test_server_tls import self_signed
+    from tests.support.certs import self_signed
 
     certfile, keyfile = self_signed(tmp_path)
     env = server_env(tmp_path / "home")

@@ -13,7 +13,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound, UsageError
 from kvgraft.formats.manifest import Manifest
 from kvgraft.transfer.push import PushOptions
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import write_synthetic
 
 

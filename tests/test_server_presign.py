@@ -30,7 +30,7 @@ from kvgraft.errors import IntegrityError, Unavailable, UsageError
 from kvgraft.reference import Reference
 from kvgraft.remote.http import HttpRemote
 from kvgraft.transfer.cache import Cache
-from tests.conftest import s3_base_url, unavailable
+from tests.support.harness import s3_base_url, unavailable
 from tests.support.serve import Server, kvgraft, make_token, running_server, server_env
 from tests.support.synthetic import write_synthetic
 

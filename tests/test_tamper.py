@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 
 from kvgraft.catalog import Catalog
 from kvgraft.config import Config, default_catalog_url
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.hostile import HOSTILE
 from tests.support.synthetic import write_synthetic
 
