@@ -313,6 +313,7 @@ def silent_server() -> object:
     sock.close()
 
 
+@pytest.mark.slow
 def test_stalled_s3_endpoint_fails_within_a_minute(
         cli_env: dict[str, str], tmp_path: Path, silent_server: int) -> None:
     import time

@@ -181,6 +181,7 @@ def _json(out: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_copy_mirrors_a_graft_into_distribution_and_back_byte_identical(
         server: Server, distribution: tuple[str, Path], graft_file: Path,
         tmp_path: Path) -> None:
@@ -245,6 +246,7 @@ def test_copy_to_an_oci_registry_fails_with_typed_exit_codes(
     assert out.returncode == 2, out.stderr
 
 
+@pytest.mark.slow
 def test_copy_through_kvgraft_serve_as_an_oci_registry_with_scoped_tokens(
         server: Server, graft_file: Path, tmp_path: Path) -> None:
     """`kvgraft serve` is an OCI registry too: the token flow, and a refused scope is 8."""
@@ -293,6 +295,7 @@ def test_copy_back_refuses_an_oci_artifact_that_is_not_a_graft(
     assert _cli(env, "ls", "--json").stdout.strip() == ""
 
 
+@pytest.mark.slow
 def test_copy_over_https_verifies_the_registry_certificate(graft_file: Path,
                                                            tmp_path: Path) -> None:
     from tests.support.certs import self_signed
@@ -338,6 +341,7 @@ def test_oci_urls_choose_the_scheme() -> None:
     assert OciLocation.parse("http://r/kv").tag == "latest"
 
 
+@pytest.mark.slow
 def test_copy_back_needs_the_parent_first(server: Server, distribution: tuple[str, Path],
                                           graft_file: Path, tmp_path: Path) -> None:
     hostport, _ = distribution

@@ -228,6 +228,7 @@ def test_an_expired_url_is_asked_for_again(setup: Setup) -> None:
     assert _stored_responses(setup.server)[before:] == [(str(digest), 307)] * 2
 
 
+@pytest.mark.slow
 def test_a_url_the_store_keeps_refusing_is_a_clear_unavailable(setup: Setup) -> None:
     remote = _remote(setup, "too-slow")
     digest = _first_chunk(setup, remote)

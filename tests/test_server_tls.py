@@ -11,6 +11,7 @@ from tests.support.certs import self_signed
 from tests.support.serve import make_token, running_server, server_env
 
 
+@pytest.mark.slow
 def test_https_with_verified_certificate(tmp_path: Path) -> None:
     certfile, keyfile = self_signed(tmp_path)
     env = server_env(tmp_path / "home")
