@@ -87,6 +87,8 @@ def match_row(workdir: Path, report: Callable[[dict[str, Any]], None],
     push one real artifact, and time the lookup of a prompt that extends it."""
     import shutil
 
+    from sqlalchemy import insert, select
+
     from kvgraft.catalog.models import ArtifactChunkRow, ArtifactRow, BlobRow, ModelRow
     from kvgraft.services.match import match
     from kvgraft.transfer.push import PushOptions
@@ -104,11 +106,11 @@ def match_row(workdir: Path, report: Callable[[dict[str, Any]], None],
     now = datetime.now(UTC)
     t0 = time.perf_counter()
     with catalog.engine.begin() as conn:
-        model_id = conn.execute(ModelRow.__table__.select().where(
-            ModelRow.identity == str(ident.key))).first().id  # type: ignore[union-attr]
+        model_id = conn.execute(select(ModelRow.id).where(
+            ModelRow.identity == str(ident.key))).scalar_one()
         blob = "sha256:" + "0" * 64
-        conn.execute(BlobRow.__table__.insert(), [{"digest": blob, "size": 1, "stored_size": 1,
-                                                   "codec": "raw", "created_at": now}])
+        conn.execute(insert(BlobRow), [{"digest": blob, "size": 1, "stored_size": 1,
+                                        "codec": "raw", "created_at": now}])
         step = 10_000
         for lo in range(0, artifacts, step):
             rows, chunk_rows = [], []
@@ -122,8 +124,8 @@ def match_row(workdir: Path, report: Callable[[dict[str, Any]], None],
                     chunk_rows.append({"artifact_digest": digest, "idx": c, "start": c * 128,
                                        "end": (c + 1) * 128, "blob_digest": blob,
                                        "prefix_key": "sha256:" + key})
-            conn.execute(ArtifactRow.__table__.insert(), rows)
-            conn.execute(ArtifactChunkRow.__table__.insert(), chunk_rows)
+            conn.execute(insert(ArtifactRow), rows)
+            conn.execute(insert(ArtifactChunkRow), chunk_rows)
     fill = time.perf_counter() - t0
     query = [*ids[:520], 1, 2, 3]
     found = match(reg, ident, query)  # warm the pull cache with the candidate's tokens

@@ -47,7 +47,7 @@ def capture(tokens: int) -> tuple[list[tuple[RawTensor, RawTensor, int]], list[i
     tok = AutoTokenizer.from_pretrained(where, gguf_file=GGUF)
     model = AutoModelForCausalLM.from_pretrained(where, gguf_file=GGUF,
                                                  dtype=torch.bfloat16)
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]  # transformers' GGUF model class: unannotated
     ids = tok(TEXT, return_tensors="pt").input_ids[:, :tokens]
     if ids.shape[1] < tokens:
         raise SystemExit(f"the text has only {ids.shape[1]} tokens, asked for {tokens}")

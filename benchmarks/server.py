@@ -224,11 +224,11 @@ def run_s3(workdir: Path, kv: Path, report: Callable[[dict[str, Any]], None],
         try:
             direct = S3BlobStore(S3_BUCKET, "kv")
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
+            for name, old in saved.items():
+                if old is None:
+                    os.environ.pop(name, None)
                 else:
-                    os.environ[k] = v
+                    os.environ[name] = old
         ref = Reference.parse(f"{REPO}:v1")
         first = HttpRemote(proxied_url, secret)
         manifest: Manifest = first.manifest(REPO, first.resolve(ref))

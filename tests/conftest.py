@@ -6,24 +6,19 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
 
+from kvgraft.catalog import Catalog
 from kvgraft.client import Registry
 from kvgraft.config import Config
-from tests.support.daemons import ensure_postgres
-
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def unavailable(what: str) -> None:
-    """Skip locally, fail in CI: a missing service there is a broken set-up, not a pass."""
-    if IN_CI:
-        pytest.fail(f"{what} is not available (required under CI=true)")
-    pytest.skip(f"{what} is not available")
+from tests.support.daemons import ensure_postgres, ensure_s3
+from tests.support.harness import RegistryFactory, s3_base_url, unavailable
+from tests.support.vllm_cluster import Q1, Q2, node_env, node_model, run_node
 
 
 @pytest.fixture(scope="session")
@@ -99,24 +94,10 @@ def ceph_store_url(monkeypatch: pytest.MonkeyPatch) -> str:
     return f"s3://{TEST_BUCKET}/{uuid.uuid4().hex}"
 
 
-def s3_base_url() -> str:
-    """The bucket URL of the real S3 server on loopback (tests/services.py), started once."""
-    from tests.support.daemons import ensure_s3
-
-    base = ensure_s3()
-    if base is None:
-        unavailable("an S3 server on loopback")
-    assert base is not None
-    return base
-
-
 @pytest.fixture
 def s3_store_url() -> str:
     """A fresh prefix in a bucket of a real S3 server on loopback."""
     return f"{s3_base_url()}/{uuid.uuid4().hex}"
-
-
-RegistryFactory = Callable[..., Registry]
 
 
 @pytest.fixture
@@ -145,3 +126,37 @@ def cli_env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRAFT_")}
     env.update(KVGRAFT_HOME=str(tmp_path / "home"), KVGRAFT_CACHE=str(tmp_path / "cache"))
     return env
+
+
+# The vLLM tests' cluster (support/vllm_cluster.py), one per module that asks: each node is
+# an engine start (~35 s on 2 cores), so the tests of a module share them.
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, str]]:
+    """One PostgreSQL catalog (a fresh schema) and one S3 prefix, as the nodes' env."""
+    pg, s3 = ensure_postgres(), ensure_s3()
+    if pg is None:
+        unavailable("PostgreSQL")
+    if s3 is None:
+        unavailable("an S3 server on loopback")
+    assert pg is not None and s3 is not None
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(pg)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    sep = "&" if "?" in pg else "?"
+    url = f"{pg}{sep}options=-csearch_path%3D{schema}"
+    Catalog.open(url, auto_upgrade=True).close()
+    # ensure_s3 put the endpoint and credentials in os.environ, which the nodes inherit
+    yield {"KVGRAFT_CATALOG_URL": url, "KVGRAFT_BLOB_URL": f"{s3}/{uuid.uuid4().hex}"}
+    with admin.begin() as conn:
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, cluster: dict[str, str]) -> dict[str, Any]:
+    """Node A has computed Q1 twice and Q2, publishing their full chunks."""
+    root = tmp_path_factory.mktemp("vllm")
+    models = {"m0": node_model(root / "m0", 0), "m1": node_model(root / "m1", 1)}
+    a = run_node(models["m0"], node_env(cluster, root / "a"), [Q1, Q1, Q2])
+    return {"root": root, "shared": cluster, "models": models, "a": a}

@@ -13,9 +13,9 @@ from kvgraft.catalog import Catalog
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.transfer.push import PushOptions
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import write_synthetic
-from tests.test_events import tamper
+from tests.support.tampering import tamper
 
 
 @pytest.fixture

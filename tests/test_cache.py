@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from click.testing import CliRunner
 
 from kvgraft.cli.main import cli
 from kvgraft.errors import NotFound
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import write_synthetic
 
 
@@ -23,7 +24,7 @@ def test_offline_pull_serves_the_cache_without_catalog_or_store(
     # Offline, with a catalog and a store that do not exist: nothing may touch them.
     offline = make_registry(catalog_url="postgresql+psycopg://nobody@127.0.0.1:1/x",
                             blob_url="file:///nonexistent/store")
-    offline = type(offline)(type(offline.config)(**{**_fields(offline.config), "offline": True}))
+    offline = type(offline)(replace(offline.config, offline=True))
     out = offline.pull("t/a:v1", tmp_path / "o.kv")
     assert out.digest == digest and out.stats.fetched == 0
     assert (tmp_path / "o.kv").read_bytes() == src.read_bytes()
@@ -31,10 +32,6 @@ def test_offline_pull_serves_the_cache_without_catalog_or_store(
     with pytest.raises(NotFound, match="offline"):
         offline.pull("t/other:v1")
     assert "catalog" not in offline.__dict__ and "store" not in offline.__dict__
-
-
-def _fields(config: object) -> dict[str, object]:
-    return {f: getattr(config, f) for f in config.__slots__}  # type: ignore[attr-defined]
 
 
 def test_offline_env_and_missing_blob(cli_env: dict[str, str], tmp_path: Path) -> None:
@@ -145,11 +142,13 @@ def test_every_offline_form_serves_the_cache_alone(cli_env: dict[str, str], tmp_
 def test_a_cache_that_keeps_blobs_decoded_still_verifies_every_read(
         make_registry: RegistryFactory, tmp_path: Path) -> None:
     from kvgraft.codecs.codec import frame_header
+    from kvgraft.formats.manifest import BlobRef
     from kvgraft.transfer.pull import Fetcher
 
     reg = make_registry()
     digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=600), "t/a").digest
-    ref = reg.manifest(digest).chunks[0]
+    chunk = reg.manifest(digest).chunks[0]
+    ref = BlobRef(chunk.digest, chunk.size)
     raw_header = frame_header("raw", ref.size)
     cache = make_registry(cache_dir=tmp_path / "c2").cache
     plain = Fetcher(reg.store, cache)

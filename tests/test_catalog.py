@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import text
+from sqlalchemy import Table, text
 
 from kvgraft.blobstore.memory import MemoryBlobStore
 from kvgraft.catalog import Catalog, EventRecord, PushRecord
@@ -46,6 +46,7 @@ def test_reader_tags_table_matches_the_orm() -> None:
     from kvgraft.catalog.reader import TAGS
 
     orm = TagRow.__table__
+    assert isinstance(orm, Table)  # typed as FromClause: the declarative base made a Table
     assert TAGS.name == orm.name
     assert {c.name: type(c.type) for c in TAGS.c} == \
         {c.name: type(c.type) for c in orm.c if c.name in TAGS.c}

@@ -25,7 +25,7 @@ from kvgraft.codecs.codec import (
 from kvgraft.errors import IntegrityError, UnknownCodec
 from kvgraft.formats.chunks import gather, plan_chunks
 from kvgraft.formats.kvfile import read_layout, safetensors_header
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import to_dtype, write_synthetic
 
 SAMPLE = Path(__file__).parent / "data" / "smollm2-bf16.kv"

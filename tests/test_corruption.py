@@ -22,7 +22,7 @@ from kvgraft.codecs.codec import FRAME_VERSION, MAGIC, RawCodec, frame
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, InvalidKVFile, NotFound
 from kvgraft.formats.manifest import ChunkRef
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.hostile import CASES, HOSTILE
 from tests.support.synthetic import write_synthetic
 

@@ -22,34 +22,9 @@ from kvgraft.catalog.schema import upgrade
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.resources import migrations_dir
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import write_synthetic
-
-
-def tamper(catalog: Catalog, sql: str, **params: Any) -> None:
-    """Change the catalog behind the library's back, as someone with database access
-    would: the append-only triggers are dropped first (that needs DDL rights, not magic)
-    and put back afterwards, so only the hash chain can tell (audit reports triggers that
-    stay missing: tests/test_tamper.py)."""
-    with catalog.engine.connect() as conn:
-        conn = conn.execution_options(kvgraft_write=True)
-        with conn.begin():
-            if conn.dialect.name == "sqlite":
-                conn.exec_driver_sql("DROP TRIGGER IF EXISTS events_append_only_update")
-                conn.exec_driver_sql("DROP TRIGGER IF EXISTS events_append_only_delete")
-            else:
-                conn.exec_driver_sql("DROP TRIGGER IF EXISTS events_append_only ON events")
-            conn.execute(text(sql), params)
-            if conn.dialect.name == "sqlite":
-                for verb in ("UPDATE", "DELETE"):
-                    conn.exec_driver_sql(
-                        f"CREATE TRIGGER events_append_only_{verb.lower()} BEFORE {verb} ON "
-                        "events BEGIN SELECT RAISE(ABORT, 'kvgraft events are append-only'); "
-                        "END")
-            else:
-                conn.exec_driver_sql(
-                    "CREATE TRIGGER events_append_only BEFORE UPDATE OR DELETE ON events "
-                    "FOR EACH ROW EXECUTE FUNCTION kvgraft_events_append_only()")
+from tests.support.tampering import tamper
 
 
 def _event(action: str, **kw: Any) -> EventRecord:

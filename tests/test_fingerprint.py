@@ -25,11 +25,12 @@ def test_architecture_covers_kv_fields() -> None:
     base = kv_config(_cfg(), "BF16")
     assert base["head_dim"] == 16 and base["layer_types"] == ["full_attention"] * 2
     digest = architecture_digest(base)
-    for change in [{"rope_parameters": {"rope_theta": 5e5}}, {"num_hidden_layers": 3},
-                   {"num_key_value_heads": 4}, {"sliding_window": 8},
-                   {"partial_rotary_factor": 0.5}, {"attn_logit_softcapping": 50.0},
-                   {"query_pre_attn_scalar": 32}, {"attention_chunk_size": 64},
-                   {"layer_types": ["sliding_attention", "full_attention"]}]:
+    changes: list[dict[str, object]] = [
+        {"rope_parameters": {"rope_theta": 5e5}}, {"num_hidden_layers": 3},
+        {"num_key_value_heads": 4}, {"sliding_window": 8}, {"partial_rotary_factor": 0.5},
+        {"attn_logit_softcapping": 50.0}, {"query_pre_attn_scalar": 32},
+        {"attention_chunk_size": 64}, {"layer_types": ["sliding_attention", "full_attention"]}]
+    for change in changes:
         assert architecture_digest(kv_config(_cfg(**change), "BF16")) != digest, change
     assert architecture_digest(kv_config(_cfg(), "F32")) != digest
     # Fields that do not touch the KV cache leave it alone.
@@ -38,7 +39,8 @@ def test_architecture_covers_kv_fields() -> None:
 
 
 def test_dir_weights_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvgraft.formats.kvfile import RawTensor, safetensors_header
+    from kvgraft.formats.kvfile import safetensors_header  # the KV file's own header writer
+    from kvgraft.identity.fingerprint import TensorDigest
 
     model = tmp_path / "m"
     model.mkdir()
@@ -48,11 +50,15 @@ def test_dir_weights_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         header = safetensors_header([("w", "U8", (len(payload),), len(payload))])
         (model / "model.safetensors").write_bytes(header + payload)
 
-    assert RawTensor  # the header writer is the KV file's own
     write(data)
     calls: list[Path] = []
     real = fpmod.hash_safetensors
-    monkeypatch.setattr(fpmod, "hash_safetensors", lambda p: calls.append(p) or real(p))
+
+    def counted(path: Path) -> list[TensorDigest]:
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(fpmod, "hash_safetensors", counted)
     cache = tmp_path / "cache"
     first = fpmod.dir_weights_digest(model, cache)
     assert fpmod.dir_weights_digest(model, cache) == first

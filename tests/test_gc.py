@@ -24,9 +24,9 @@ from kvgraft.formats.kvfile import write_kvfile
 from kvgraft.services.backends import Direct
 from kvgraft.transfer.gc import GcResult
 from kvgraft.transfer.push import PushOptions, build_artifact
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import synthetic_identity, synthetic_layers
-from tests.test_events import tamper
+from tests.support.tampering import tamper
 
 
 def variant(path: Path, run: int, *, seed: int = 0, tokens: int = 600) -> Path:

@@ -106,6 +106,7 @@ def test_sliding_window_counter_matters(registry: Registry, model_root: Path,
     bad_cache = graft.cache()
     for layer in bad_cache.layers:
         if isinstance(layer, DynamicSlidingWindowLayer):
+            assert layer.keys is not None  # filled by the graft
             layer.cumulative_length = layer.keys.shape[-2]
     bad = greedy(lm, bad_cache, [65, 66], 0)[0].logits
     assert not torch.equal(good, bad)

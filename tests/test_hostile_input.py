@@ -14,7 +14,7 @@ from kvgraft.blobstore import open_store
 from kvgraft.catalog import Catalog
 from kvgraft.errors import InvalidKVFile, UsageError
 from kvgraft.strictjson import RejectedJSON, loads
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.hostile import HOSTILE
 
 

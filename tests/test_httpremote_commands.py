@@ -364,6 +364,7 @@ def test_transfers_cut_mid_way_resume(setup: Setup, tmp_path: Path) -> None:
         proxy.close()
 
 
+@pytest.mark.slow
 def test_capture_graft_and_match_through_the_server(setup: Setup, tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="grafting needs the [hf] extra (torch)")
     pytest.importorskip("transformers", reason="grafting needs the [hf] extra (transformers)")
@@ -389,6 +390,7 @@ def test_capture_graft_and_match_through_the_server(setup: Setup, tmp_path: Path
     assert events[0]["action"] == "push" and {e["actor"] for e in events} == {"token:team-rw"}
 
 
+@pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.s3
 def test_commands_through_a_server_on_postgres_and_s3(tmp_path: Path, postgres_url: str,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.conftest import unavailable
+from tests.support.harness import unavailable
 from tests.support.serve import Server, free_port, kvgraft, make_token, running_server, server_env
 from tests.support.synthetic import write_synthetic
 
@@ -181,6 +181,7 @@ def _json(out: subprocess.CompletedProcess[str]) -> Any:
     return json.loads(out.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_copy_mirrors_a_graft_into_distribution_and_back_byte_identical(
         server: Server, distribution: tuple[str, Path], graft_file: Path,
         tmp_path: Path) -> None:
@@ -245,6 +246,7 @@ def test_copy_to_an_oci_registry_fails_with_typed_exit_codes(
     assert out.returncode == 2, out.stderr
 
 
+@pytest.mark.slow
 def test_copy_through_kvgraft_serve_as_an_oci_registry_with_scoped_tokens(
         server: Server, graft_file: Path, tmp_path: Path) -> None:
     """`kvgraft serve` is an OCI registry too: the token flow, and a refused scope is 8."""
@@ -278,13 +280,14 @@ def test_copy_back_refuses_an_oci_artifact_that_is_not_a_graft(
     put = requests.put(loc, params={"digest": digest}, data=config,
                        headers={"Content-Type": "application/octet-stream"})
     assert put.status_code == 201, put.text
-    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+    media_type = "application/vnd.oci.image.manifest.v1+json"
+    manifest = {"schemaVersion": 2, "mediaType": media_type,
                 "config": {"mediaType": "application/vnd.oci.empty.v1+json",
                            "digest": digest, "size": 2},
                 "layers": [{"mediaType": "application/vnd.oci.empty.v1+json",
                             "digest": digest, "size": 2}]}
     r = requests.put(f"{base}/manifests/v1", data=json.dumps(manifest),
-                     headers={"Content-Type": manifest["mediaType"]})
+                     headers={"Content-Type": media_type})
     assert r.status_code == 201, r.text
     env = server_env(tmp_path / "home")
     out = _cli(env, "copy", f"oci+http://{hostport}/plain/image:v1", "plain/image:v1")
@@ -292,9 +295,10 @@ def test_copy_back_refuses_an_oci_artifact_that_is_not_a_graft(
     assert _cli(env, "ls", "--json").stdout.strip() == ""
 
 
+@pytest.mark.slow
 def test_copy_over_https_verifies_the_registry_certificate(graft_file: Path,
                                                            tmp_path: Path) -> None:
-    from tests.test_server_tls import self_signed
+    from tests.support.certs import self_signed
 
     certfile, keyfile = self_signed(tmp_path)
     env = server_env(tmp_path / "home")
@@ -337,6 +341,7 @@ def test_oci_urls_choose_the_scheme() -> None:
     assert OciLocation.parse("http://r/kv").tag == "latest"
 
 
+@pytest.mark.slow
 def test_copy_back_needs_the_parent_first(server: Server, distribution: tuple[str, Path],
                                           graft_file: Path, tmp_path: Path) -> None:
     hostport, _ = distribution

@@ -27,9 +27,9 @@ from kvgraft.provenance import (
 )
 from kvgraft.resources import load_schema, schemas_dir
 from kvgraft.transfer.push import PushOptions
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import synthetic_identity, write_synthetic
-from tests.test_events import tamper
+from tests.support.tampering import tamper
 
 
 def test_schemas_are_valid_json_schemas() -> None:

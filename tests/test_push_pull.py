@@ -13,7 +13,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound, UsageError
 from kvgraft.formats.manifest import Manifest
 from kvgraft.transfer.push import PushOptions
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import write_synthetic
 
 
@@ -280,13 +280,14 @@ def test_file_changed_during_push_is_refused(make_registry: RegistryFactory, tmp
     # publish a manifest whose chunks rebuild some other file.
     import kvgraft.transfer.push as push_module
     from kvgraft.errors import InvalidKVFile
+    from kvgraft.formats.kvfile import KVLayout, hash_file
 
     reg = make_registry()
     src = write_synthetic(tmp_path / "a.kv", tokens=600)
-    real_hash = push_module.hash_file
+    real_hash = hash_file
 
-    def hash_then_write(fd: int, layout: object) -> object:
-        result = real_hash(fd, layout)  # type: ignore[arg-type]
+    def hash_then_write(fd: int, layout: KVLayout) -> tuple[Digest, dict[str, Digest]]:
+        result = real_hash(fd, layout)
         with open(src, "r+b") as f:
             f.seek(-16, os.SEEK_END)
             f.write(b"\x01" * 16)
@@ -309,10 +310,11 @@ def test_file_truncated_during_push_is_an_integrity_error(
     import kvgraft.transfer.push as push_module
     from kvgraft.cli.main import cli
     from kvgraft.errors import InvalidKVFile
+    from kvgraft.formats.kvfile import KVLayout, read_layout
 
-    real = push_module.read_layout
+    real = read_layout
 
-    def read_then_truncate(path: str | Path) -> object:
+    def read_then_truncate(path: str | Path) -> KVLayout:
         layout = real(path)
         os.truncate(path, layout.file_size // 2)
         return layout

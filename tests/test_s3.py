@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from email.utils import formatdate
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -25,6 +25,9 @@ from kvgraft.blobstore.s3settings import MiB, S3Settings
 from kvgraft.digest import Digest
 from kvgraft.errors import MissingExtra, NotFound, Unavailable, UsageError
 from tests.support.daemons import free_ports
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef
 
 
 def split(url: str) -> tuple[str, str]:
@@ -139,7 +142,7 @@ def test_server_behaviour(any_s3_store_url: str, request: pytest.FixtureRequest)
     with pytest.raises(botocore.exceptions.ClientError, match="PreconditionFailed"):
         c.put_object(Bucket=bucket, Key=key + "2", Body=b"x", IfNoneMatch="*")
     upload = c.create_multipart_upload(Bucket=bucket, Key=key + "3")["UploadId"]
-    parts = [{"PartNumber": n, "ETag": c.upload_part(
+    parts: list[CompletedPartTypeDef] = [{"PartNumber": n, "ETag": c.upload_part(
         Bucket=bucket, Key=key + "3", UploadId=upload, PartNumber=n,
         Body=bytes([n]) * (5 * MiB))["ETag"]} for n in (1, 2)]
     done = c.complete_multipart_upload(Bucket=bucket, Key=key + "3", UploadId=upload,
@@ -389,8 +392,11 @@ def test_settings_from_env() -> None:
         ("http://127.0.0.1:2", "virtual", 3)
     assert (ours.part_size, ours.multipart_threshold) == (6 * MiB, 6 * MiB)
     config = ours.botocore_config()
-    assert config.retries == {"mode": "standard", "total_max_attempts": 3}
-    assert config.s3 == {"addressing_style": "virtual"}
+    # Read through vars(): botocore-stubs declare Config's options as constructor arguments
+    # only, not as the attributes botocore sets from them.
+    options = vars(config)
+    assert options["retries"] == {"mode": "standard", "total_max_attempts": 3}
+    assert options["s3"] == {"addressing_style": "virtual"}
     for bad in ({"KVGRAFT_S3_ADDRESSING": "sideways"}, {"AWS_MAX_ATTEMPTS": "many"},
                 {"AWS_RETRY_MODE": "eager"}, {"KVGRAFT_S3_PART_MIB": "1"}):
         with pytest.raises(UsageError):

@@ -31,7 +31,7 @@ from kvgraft.errors import IntegrityError, Unavailable, UsageError
 from kvgraft.reference import Reference
 from kvgraft.remote.http import HttpRemote
 from kvgraft.transfer.cache import Cache
-from tests.conftest import s3_base_url, unavailable
+from tests.support.harness import s3_base_url, unavailable
 from tests.support.serve import Server, kvgraft, make_token, running_server, server_env
 from tests.support.synthetic import write_synthetic
 
@@ -233,6 +233,7 @@ def test_an_expired_url_is_asked_for_again(setup: Setup) -> None:
     assert _stored_responses(setup.server)[before:] == [(str(digest), 307)] * 2
 
 
+@pytest.mark.slow
 def test_a_url_the_store_keeps_refusing_is_a_clear_unavailable(setup: Setup) -> None:
     remote = _remote(setup, "too-slow")
     digest = _first_chunk(setup, remote)

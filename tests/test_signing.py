@@ -24,9 +24,9 @@ from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import Conflict, IntegrityError, NotFound, UsageError
 from kvgraft.provenance import PROVENANCE, PolicyRefused, PublicKey
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.synthetic import write_synthetic
-from tests.test_events import tamper
+from tests.support.tampering import tamper
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import kvgraft
 from kvgraft.cli.main import DEFAULT_CODEC, LAZY_COMMANDS, cli
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 
 HEAVY = ("sqlalchemy", "alembic", "numpy", "torch", "transformers", "boto3", "botocore",
          "jsonschema", "zstandard", "cryptography", "securesystemslib")

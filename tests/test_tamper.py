@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 
 from kvgraft.catalog import Catalog
 from kvgraft.config import Config, default_catalog_url
-from tests.conftest import RegistryFactory
+from tests.support.harness import RegistryFactory
 from tests.support.hostile import HOSTILE
 from tests.support.synthetic import write_synthetic
 
@@ -67,6 +67,7 @@ def test_verify_all_reports_every_tampered_manifest_and_dangling_tag(
     assert "3 problem(s)" in r.stderr
 
 
+@pytest.mark.slow
 def test_one_malformed_tag_digest_does_not_hide_the_rest(cli_env: dict[str, str],
                                                          tmp_path: Path) -> None:
     push_three(cli_env, tmp_path)

@@ -36,6 +36,7 @@ def test_table_cells_are_not_markup(capsys: pytest.CaptureFixture[str]) -> None:
     assert not any(c in out for c in RAW)
 
 
+@pytest.mark.slow
 def test_commands_escape_stored_strings(cli_env: dict[str, str]) -> None:
     # The actor comes from $USER: another stored string a hostile user controls.
     env = dict(cli_env, USER="mallory" + HOSTILE_TEXT, LOGNAME="mallory" + HOSTILE_TEXT)

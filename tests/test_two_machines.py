@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.synthetic import write_synthetic
 
 CLI = "from kvgraft.cli.main import main; main()"
 
 
+@pytest.mark.slow
 def test_push_on_a_pull_on_b(cli_env: dict[str, str], postgres_url: str,
                              any_s3_store_url: str, tmp_path: Path) -> None:
     s3_store_url = any_s3_store_url

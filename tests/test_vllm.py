@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,96 +37,30 @@ from kvgraft.catalog import Catalog
 from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.errors import UsageError
-from tests.conftest import unavailable
-from tests.support.daemons import ensure_postgres, ensure_s3
-from tests.support.tinymodels import build
+from tests.support.vllm_cluster import (
+    NODE_TIMEOUT,
+    Q1,
+    Q2,
+    Q3,
+    REPO,
+    ROOT,
+    inspector,
+    node_env,
+    node_model,
+    published,
+    run_node,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 128  # vLLM's CPU block size
-PROMPT = 300  # tokens: one 256-token chunk is published, 256 are restorable
-REPO = "test/vllm"
-NODE_TIMEOUT = 600
-
-
-def _prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(0, 256) for _ in range(PROMPT)]
-
-
-Q1, Q2, Q3 = _prompt(1), _prompt(2), _prompt(3)
 LOOKUP_TIMEOUT = 3.0  # seconds node D waits for its bucket before computing
 READ_TIMEOUT = 8  # seconds node D's S3 client waits for a reply
 
 
-def _model(path: Path, seed: int) -> Path:
-    # head_dim 64: the smallest head size vLLM's CPU attention accepts
-    return build(path, "llama", dtype="BF16", seed=seed, head_dim=64, hidden_size=256,
-                 intermediate_size=512)
-
-
-def _env(shared: dict[str, str], node: Path) -> dict[str, str]:
-    return {**shared, "KVGRAFT_HOME": str(node / "home"), "KVGRAFT_CACHE": str(node / "cache"),
-            "VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def run_node(model: Path, env: dict[str, str], prompts: list[list[int]],
-             **options: Any) -> list[dict[str, Any]]:
-    spec = {"model": str(model), "env": env, "prompts": prompts,
-            "extra": {"repository": REPO}, **options}
-    proc = subprocess.run([sys.executable, "-m", "tests.support.vllm_node", json.dumps(spec)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=NODE_TIMEOUT)
-    # vLLM logs (the connector's lines included) to stdout
-    (Path(env["KVGRAFT_HOME"]).parent / "node.log").write_text(proc.stdout + proc.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVGRAFT-RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    result: list[dict[str, Any]] = json.loads(lines[-1].split(" ", 1)[1])
-    return result
-
-
-def _registry(world: dict[str, Any], name: str = "inspector") -> Registry:
-    shared, home = world["shared"], world["root"] / name
-    return Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
-                           blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[dict[str, str]]:
-    """One PostgreSQL catalog (a fresh schema) and one S3 prefix, as the nodes' env."""
-    from sqlalchemy import create_engine, text
-
-    pg, s3 = ensure_postgres(), ensure_s3()
-    if pg is None:
-        unavailable("PostgreSQL")
-    if s3 is None:
-        unavailable("an S3 server on loopback")
-    assert pg is not None and s3 is not None
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(pg)
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    sep = "&" if "?" in pg else "?"
-    url = f"{pg}{sep}options=-csearch_path%3D{schema}"
-    Catalog.open(url, auto_upgrade=True).close()
-    # ensure_s3 put the endpoint and credentials in os.environ, which the nodes inherit
-    yield {"KVGRAFT_CATALOG_URL": url, "KVGRAFT_BLOB_URL": f"{s3}/{uuid.uuid4().hex}"}
-    with admin.begin() as conn:
-        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-    admin.dispose()
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory, cluster: dict[str, str]) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("vllm")
-    models = {"m0": _model(root / "m0", 0), "m1": _model(root / "m1", 1)}
-    a = run_node(models["m0"], _env(cluster, root / "a"), [Q1, Q1, Q2])
-    return {"root": root, "shared": cluster, "models": models, "a": a}
-
-
 @pytest.fixture(scope="module")
 def node_b(world: dict[str, Any]) -> list[dict[str, Any]]:
-    reg = _registry(world)
+    reg = inspector(world)
     try:
-        digest = _published(reg, Q2)
+        digest = published(reg, Q2)
         chunk = reg.manifest(digest).chunks[0].digest
         store: Any = reg.store  # the S3 store: its client writes past kvgraft
         key = store._key(chunk)
@@ -139,21 +71,12 @@ def node_b(world: dict[str, Any]) -> list[dict[str, Any]]:
         reg.close()
     # vLLM's own prefix cache off: the second Q1 is restored again, from the graft the
     # first lookup found (no catalog query), not from vLLM's memory
-    return run_node(world["models"]["m0"], _env(world["shared"], world["root"] / "b"),
+    return run_node(world["models"]["m0"], node_env(world["shared"], world["root"] / "b"),
                     [Q1, Q1, Q2], prefix_caching=False)
 
 
-def _published(reg: Registry, ids: list[int]) -> Any:
-    import struct
-
-    from kvgraft.digest import Digest
-
-    tag = "t-" + Digest.of(struct.pack(f"<{256}q", *ids[:256])).hex[:32]
-    return reg.resolve(f"{REPO}:{tag}")
-
-
 def _events(world: dict[str, Any], action: str) -> list[Any]:
-    reg = _registry(world)
+    reg = inspector(world)
     try:
         return list(reg.log(action=action))
     finally:
@@ -165,14 +88,14 @@ def test_node_a_publishes_full_chunks(world: dict[str, Any]) -> None:
     a = world["a"]
     assert a[0]["cached"] == 0 and a[2]["cached"] == 0  # computed cold
     assert a[1]["cached"] == 256  # the two-step reference: prefix from vLLM's own cache
-    reg = _registry(world)
+    reg = inspector(world)
     try:
         for ids in (Q1, Q2):
-            m = reg.manifest(_published(reg, ids))
+            m = reg.manifest(published(reg, ids))
             assert m.token_count == 256 and m.chunk_tokens == 256
             assert m.provenance["engine"]["name"] == "vllm"
             assert m.model.to_json()["weights"] is not None
-        assert all(r.ok for r in reg.verify(f"{REPO}@{_published(reg, Q1)}"))
+        assert all(r.ok for r in reg.verify(f"{REPO}@{published(reg, Q1)}"))
     finally:
         reg.close()
 
@@ -209,7 +132,7 @@ def test_corrupt_blob_falls_back_with_integrity_event(world: dict[str, Any],
 def test_other_weights_get_no_restore(world: dict[str, Any],
                                       node_b: list[dict[str, Any]]) -> None:
     before = len(_events(world, "restore"))
-    out = run_node(world["models"]["m1"], _env(world["shared"], world["root"] / "c"), [Q1])
+    out = run_node(world["models"]["m1"], node_env(world["shared"], world["root"] / "c"), [Q1])
     assert out[0]["cached"] == 0
     assert len(_events(world, "restore")) == before  # not even attempted: no match
 
@@ -231,7 +154,7 @@ def server(world: dict[str, Any], black_hole: int) -> Iterator[str]:
     from tests.support.daemons import free_ports
 
     (port,) = free_ports(1)
-    env = {**os.environ, **_env(world["shared"], world["root"] / "d"),
+    env = {**os.environ, **node_env(world["shared"], world["root"] / "d"),
            "KVGRAFT_BLOB_URL": "s3://kvgraft-test/none",
            "KVGRAFT_S3_ENDPOINT_URL": f"http://127.0.0.1:{black_hole}",
            "KVGRAFT_S3_READ_TIMEOUT": str(READ_TIMEOUT), "AWS_MAX_ATTEMPTS": "1"}
@@ -318,7 +241,7 @@ def test_publish_lookup_prefetch(tmp_path: Path, catalog_url: str) -> None:
     from kvgraft.integrations.vllm.identity import EngineIdentity
     from kvgraft.integrations.vllm.store import lookup, plan_restore, prefetch, publish
 
-    fp = fingerprint_dir(_model(tmp_path / "m", 0), dtype="BF16")
+    fp = fingerprint_dir(node_model(tmp_path / "m", 0), dtype="BF16")
     engine = {"name": "vllm", "block_size": BLOCK}
     config = {**fp.config, "engine": engine}
     ident = EngineIdentity(
@@ -499,7 +422,7 @@ def test_scheduler_answers_off_its_thread_remembers_and_forgets(
 
     from kvgraft.integrations.vllm.store import publish
 
-    model = _model(tmp_path / "m", 0)
+    model = node_model(tmp_path / "m", 0)
     catalog = f"sqlite:///{tmp_path / 'catalog.db'}"
     Catalog.open(catalog, auto_upgrade=True).close()
     blobs = (tmp_path / "blobs").as_uri()

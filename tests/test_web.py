@@ -30,9 +30,9 @@ from kvgraft.server import web
 from kvgraft.server.lineage import Graph, Node, build, restrict, svg
 from kvgraft.server.web import human_size, web_routes
 from kvgraft.transfer.push import PushOptions
-from tests.conftest import RegistryFactory, unavailable
+from tests.support.harness import RegistryFactory, unavailable
 from tests.support.synthetic import synthetic_identity, synthetic_layers
-from tests.test_events import tamper
+from tests.support.tampering import tamper
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"

@@ -46,6 +46,7 @@ def test_wheel_installs_only_the_kvgraft_import_name(wheel: Path) -> None:
                 assert f"{target}/{f.relative_to(ROOT / folder).as_posix()}" in names, f
 
 
+@pytest.mark.slow
 def test_installed_wheel_runs_from_another_directory(wheel: Path, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)

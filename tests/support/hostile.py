@@ -67,7 +67,7 @@ def _drop_tensor(name: str) -> Callable[[dict[str, object]], None]:
 
 
 def _garble_header(data: bytes) -> bytes:
-    (n,) = struct.unpack("<Q", data[:8])
+    n: int = struct.unpack("<Q", data[:8])[0]
     return data[:8] + b"{" * n + data[8 + n :]
 
 

@@ -22,8 +22,9 @@ def byte_tokenizer(*, rotate: int = 0) -> Any:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
+    # transformers leaves the tokenizer's constructor unannotated.
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
 def config(kind: str, **overrides: Any) -> Any:
@@ -61,7 +62,7 @@ def build(path: Path, kind: str, *, dtype: str = "F32", seed: int = 0, rotate: i
 
     cfg = config(kind, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]  # unannotated
     model = model.to({"F32": torch.float32, "BF16": torch.bfloat16}[dtype]).eval()
     model.save_pretrained(path)
     byte_tokenizer(rotate=rotate).save_pretrained(path)

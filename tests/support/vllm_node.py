@@ -37,8 +37,10 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     for ids in spec["prompts"]:
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
         comp = out.outputs[0]
-        logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs or [], comp.token_ids,
-                                                           strict=True)]
+        logprobs = []
+        for step, tok in zip(comp.logprobs or [], comp.token_ids, strict=True):
+            assert step is not None  # logprobs=0 asks for the sampled token's at every step
+            logprobs.append(step[tok].logprob)
         results.append({"tokens": list(comp.token_ids), "logprobs": logprobs,
                         "cached": int(out.num_cached_tokens or 0)})
     return results

@@ -1,0 +1,69 @@
+"""The vLLM tests' cluster: nodes are processes (support/vllm_node.py), each with its own
+KVGRAFT_HOME and machine cache, sharing one catalog and one bucket. The fixtures that start
+it (`cluster`, `world`) are in conftest.py; node A of `world` publishes Q1 and Q2."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvgraft.client import Registry
+from kvgraft.config import Config
+from kvgraft.digest import Digest
+from tests.support.tinymodels import build
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+PROMPT = 300  # tokens: one 256-token chunk is published, 256 are restorable
+REPO = "test/vllm"
+NODE_TIMEOUT = 600
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 256) for _ in range(PROMPT)]
+
+
+Q1, Q2, Q3 = prompt(1), prompt(2), prompt(3)
+
+
+def node_model(path: Path, seed: int) -> Path:
+    # head_dim 64: the smallest head size vLLM's CPU attention accepts
+    return build(path, "llama", dtype="BF16", seed=seed, head_dim=64, hidden_size=256,
+                 intermediate_size=512)
+
+
+def node_env(shared: dict[str, str], node: Path) -> dict[str, str]:
+    return {**shared, "KVGRAFT_HOME": str(node / "home"), "KVGRAFT_CACHE": str(node / "cache"),
+            "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def run_node(model: Path, env: dict[str, str], prompts: list[list[int]],
+             **options: Any) -> list[dict[str, Any]]:
+    spec = {"model": str(model), "env": env, "prompts": prompts,
+            "extra": {"repository": REPO}, **options}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.vllm_node", json.dumps(spec)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=NODE_TIMEOUT)
+    # vLLM logs (the connector's lines included) to stdout
+    (Path(env["KVGRAFT_HOME"]).parent / "node.log").write_text(proc.stdout + proc.stderr)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVGRAFT-RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result: list[dict[str, Any]] = json.loads(lines[-1].split(" ", 1)[1])
+    return result
+
+
+def inspector(world: dict[str, Any], name: str = "inspector") -> Registry:
+    """A registry on the cluster's catalog and bucket, with a home of its own."""
+    shared, home = world["shared"], world["root"] / name
+    return Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
+                           blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
+
+
+def published(reg: Registry, ids: list[int]) -> Digest:
+    """The graft node A published for the first 256 tokens of ids."""
+    tag = "t-" + Digest.of(struct.pack(f"<{256}q", *ids[:256])).hex[:32]
+    return reg.resolve(f"{REPO}:{tag}")
