@@ -13,7 +13,7 @@ from kvgraft.catalog import Catalog
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.transfer.push import PushOptions
-from tests.support.harness import RegistryFactory
+from tests.support.harness import RegistryFactory, sql_catalog
 from tests.support.synthetic import write_synthetic
 from tests.support.tampering import tamper
 
@@ -67,7 +67,7 @@ def test_a_corrupt_blob_fails_the_audit(family: tuple[Registry, list[str]]) -> N
 
 def test_a_deleted_event_fails_every_audit(family: tuple[Registry, list[str]]) -> None:
     reg, _ = family
-    tamper(reg.catalog, "DELETE FROM events WHERE seq = 2")  # the parent's push
+    tamper(sql_catalog(reg), "DELETE FROM events WHERE seq = 2")  # the parent's push
     report = reg.audit("fam/child")
     assert not report.ok and report.failures == (
         "event log: event 2 missing from the event log (deleted?)",)
@@ -75,8 +75,8 @@ def test_a_deleted_event_fails_every_audit(family: tuple[Registry, list[str]]) -
 
 def test_a_missing_parent_is_reported(family: tuple[Registry, list[str]]) -> None:
     reg, (grand, *_) = family
-    tamper(reg.catalog, "DELETE FROM tags WHERE artifact_digest = :d", d=grand)
-    tamper(reg.catalog, "DELETE FROM artifacts WHERE digest = :d", d=grand)
+    tamper(sql_catalog(reg), "DELETE FROM tags WHERE artifact_digest = :d", d=grand)
+    tamper(sql_catalog(reg), "DELETE FROM artifacts WHERE digest = :d", d=grand)
     report = reg.audit("fam/child")
     assert report.failures == (f"lineage: parent: {grand} is not in the catalog",)
 
@@ -91,7 +91,7 @@ def test_audit_command(family: tuple[Registry, list[str]], cli_env: dict[str, st
     assert "result: ok" in r.stdout and "signed by" in r.stdout
     r = runner.invoke(cli, ["audit", "fam/child", "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["digest"] == child
-    tamper(reg.catalog, "UPDATE events SET actor = 'someone@else' WHERE seq = 3")
+    tamper(sql_catalog(reg), "UPDATE events SET actor = 'someone@else' WHERE seq = 3")
     r = runner.invoke(cli, ["audit", "fam/child", "--json"])
     assert r.exit_code == 4
     assert json.loads(r.stdout)["ok"] is False

@@ -22,7 +22,7 @@ from kvgraft.catalog.schema import upgrade
 from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.resources import migrations_dir
-from tests.support.harness import RegistryFactory
+from tests.support.harness import RegistryFactory, sql_catalog
 from tests.support.synthetic import write_synthetic
 from tests.support.tampering import tamper
 
@@ -201,7 +201,7 @@ def test_a_corrupt_digest_in_the_log_is_an_integrity_error(
     reg = make_registry(catalog_url=catalog_url, home=tmp_path / "home")
     reg.push(write_synthetic(tmp_path / "a.kv", tokens=300), "log/a:v1")
     bad = "sha256:" + "z" * 64
-    tamper(reg.catalog, "UPDATE events SET digest = :d", d=bad)
+    tamper(sql_catalog(reg), "UPDATE events SET digest = :d", d=bad)
     # Damage found in the catalog, not a malformed request: exit 4, not 2.
     with pytest.raises(IntegrityError, match=f"events table holds a malformed digest '{bad}'"):
         reg.log()

@@ -24,7 +24,7 @@ from kvgraft.formats.kvfile import write_kvfile
 from kvgraft.services.backends import Direct
 from kvgraft.transfer.gc import GcResult
 from kvgraft.transfer.push import PushOptions, build_artifact
-from tests.support.harness import RegistryFactory
+from tests.support.harness import RegistryFactory, sql_catalog
 from tests.support.synthetic import synthetic_identity, synthetic_layers
 from tests.support.tampering import tamper
 
@@ -121,7 +121,7 @@ def _corrupt_manifest(r: Registry, digest: Digest, how: str) -> None:
     else:
         bad = raw[:len(raw) // 2]
     assert bad != raw
-    tamper(r.catalog, "UPDATE artifacts SET manifest = :m WHERE digest = :d", m=bad,
+    tamper(sql_catalog(r), "UPDATE artifacts SET manifest = :m WHERE digest = :d", m=bad,
            d=str(digest))
 
 

@@ -11,6 +11,7 @@ from kvgraft.client import Registry
 from kvgraft.formats.prefix import prefix_keys
 from kvgraft.services.match import match
 from kvgraft.transfer.push import PushOptions
+from tests.support.harness import sql_catalog
 from tests.support.synthetic import synthetic_identity, write_synthetic
 
 BASE = list(range(1000, 1600))
@@ -52,7 +53,7 @@ def test_other_chunk_sizes_and_short_queries(registry: Registry, tmp_path: Path)
 def test_prefix_lookup_uses_the_index(registry: Registry) -> None:
     """The queries are index seeks, so a catalog of any size answers in O(log) time
     (benchmarks/graft.py times it on 100k artifacts)."""
-    catalog = registry.catalog
+    catalog = sql_catalog(registry)
     assert not has_prefix_key(catalog, prefix_keys(synthetic_identity(), b"\0" * 8, 1)[0])
     with catalog.engine.connect() as conn:
         plan = conn.execute(text(

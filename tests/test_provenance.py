@@ -27,7 +27,7 @@ from kvgraft.provenance import (
 )
 from kvgraft.resources import load_schema, schemas_dir
 from kvgraft.transfer.push import PushOptions
-from tests.support.harness import RegistryFactory
+from tests.support.harness import RegistryFactory, sql_catalog
 from tests.support.synthetic import synthetic_identity, write_synthetic
 from tests.support.tampering import tamper
 
@@ -162,10 +162,10 @@ def test_a_fidelity_result_edited_in_the_catalog_does_not_count(
     [att] = reg.catalog.attestations(digest, FIDELITY)
     forged = att.statement.decode().replace('"passed":false', '"passed":true')
     if with_digest:  # the digest beside it rewritten too: the event log still knows
-        tamper(reg.catalog, "UPDATE attestations SET statement = :s, statement_digest = :d",
+        tamper(sql_catalog(reg), "UPDATE attestations SET statement = :s, statement_digest = :d",
                s=forged, d=str(Digest.of(forged.encode())))
     else:
-        tamper(reg.catalog, "UPDATE attestations SET statement = :s", s=forged)
+        tamper(sql_catalog(reg), "UPDATE attestations SET statement = :s", s=forged)
     with pytest.raises(PolicyRefused,
                        match="event log recorded" if with_digest else "changed in the catalog"):
         require_verified(reg.catalog, digest, synthetic_identity())

@@ -193,9 +193,11 @@ def test_tag_without_a_tag_and_deleting_a_graft_chunk_are_refused(
     digest = kvgraft(node, "--remote", "hub", "push", str(src), "team/kv:v1",
                      "--chunk-tokens", "128")
     h = _auth(tokens["a"])
-    for body in ({"repository": "team/kv", "digest": digest},
-                 {"repository": "team/kv", "digest": digest, "tag": None},
-                 {"repository": "team/kv", "digest": digest, "tag": 7}):
+    bodies: list[dict[str, str | int | None]] = [
+        {"repository": "team/kv", "digest": digest},
+        {"repository": "team/kv", "digest": digest, "tag": None},
+        {"repository": "team/kv", "digest": digest, "tag": 7}]
+    for body in bodies:
         r = requests.post(f"{server.url}/kvgraft/v1/tag", json=body, headers=h)
         assert r.status_code == 400 and r.json()["errors"][0]["code"] == "NAME_INVALID", r.text
     r = requests.post(f"{server.url}/kvgraft/v1/untag", json={"repository": "team/kv"},

@@ -24,7 +24,7 @@ from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import Conflict, IntegrityError, NotFound, UsageError
 from kvgraft.provenance import PROVENANCE, PolicyRefused, PublicKey
-from tests.support.harness import RegistryFactory
+from tests.support.harness import RegistryFactory, sql_catalog
 from tests.support.synthetic import write_synthetic
 from tests.support.tampering import tamper
 
@@ -132,18 +132,18 @@ def test_edited_attestation_is_detected(two: tuple[Registry, Registry, Digest],
     forged = json.dumps(statement, sort_keys=True, separators=(",", ":"))
     envelope = json.loads(att.envelope)
     if edit == "statement":
-        tamper(alice.catalog, "UPDATE attestations SET statement = :s", s=forged)
+        tamper(sql_catalog(alice), "UPDATE attestations SET statement = :s", s=forged)
     elif edit == "statement-and-digest":
-        tamper(alice.catalog, "UPDATE attestations SET statement = :s, statement_digest = :d",
+        tamper(sql_catalog(alice), "UPDATE attestations SET statement = :s, statement_digest = :d",
                s=forged, d=str(Digest.of(forged.encode())))
     elif edit == "signature":
         sig = bytearray(base64.b64decode(envelope["signatures"][0]["sig"]))
         sig[0] ^= 1
         envelope["signatures"][0]["sig"] = base64.b64encode(bytes(sig)).decode()
-        tamper(alice.catalog, "UPDATE attestations SET envelope = :e", e=json.dumps(envelope))
+        tamper(sql_catalog(alice), "UPDATE attestations SET envelope = :e", e=json.dumps(envelope))
     else:  # a forged statement inside the envelope, with the stored statement to match
         envelope["payload"] = base64.b64encode(forged.encode()).decode()
-        tamper(alice.catalog, "UPDATE attestations SET envelope = :e, statement = :s, "
+        tamper(sql_catalog(alice), "UPDATE attestations SET envelope = :e, statement = :s, "
                "statement_digest = :d", e=json.dumps(envelope), s=forged,
                d=str(Digest.of(forged.encode())))
     with pytest.raises(PolicyRefused):
@@ -157,7 +157,7 @@ def test_tampered_manifest_cannot_be_signed_and_fails_audit(
     alice, _, digest = two
     alice.sign("sig/a:v1", "alice")
     raw = alice.catalog.artifact(digest).manifest.decode()
-    tamper(alice.catalog, "UPDATE artifacts SET manifest = :m",
+    tamper(sql_catalog(alice), "UPDATE artifacts SET manifest = :m",
            m=raw.replace('"chunkTokens":256', '"chunkTokens":255'))
     with pytest.raises(IntegrityError, match="corrupt"):
         alice.sign("sig/a:v1", "alice")

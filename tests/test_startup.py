@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 import kvgraft
 from kvgraft.cli.main import DEFAULT_CODEC, LAZY_COMMANDS, cli
-from tests.support.harness import RegistryFactory
+from tests.support.harness import RegistryFactory, sql_catalog
 
 HEAVY = ("sqlalchemy", "alembic", "numpy", "torch", "transformers", "boto3", "botocore",
          "jsonschema", "zstandard", "cryptography", "securesystemslib")
@@ -145,6 +145,10 @@ def test_a_listing_opens_no_orm_and_the_full_catalog_reuses_its_engine(
     reg = make_registry(home=tmp_path / "h")
     assert reg.list() == ()
     assert reg.backends.opened == ("reader",)  # type: ignore[attr-defined]
-    assert reg.catalog.engine is reg.catalog_reader.engine
+    from kvgraft.catalog.reader import CatalogReader
+
+    reader = reg.catalog_reader
+    assert isinstance(reader, CatalogReader)
+    assert sql_catalog(reg).engine is reader.engine
     assert reg.catalog.artifact_digests() == []
     reg.close()

@@ -30,7 +30,7 @@ from kvgraft.server import web
 from kvgraft.server.lineage import Graph, Node, build, restrict, svg
 from kvgraft.server.web import human_size, web_routes
 from kvgraft.transfer.push import PushOptions
-from tests.support.harness import RegistryFactory, unavailable
+from tests.support.harness import RegistryFactory, sql_catalog, unavailable
 from tests.support.synthetic import synthetic_identity, synthetic_layers
 from tests.support.tampering import tamper
 
@@ -94,7 +94,7 @@ def client(registry: Registry) -> TestClient:
 
 
 def test_shared_chunks_and_search_queries(world: World) -> None:
-    cat = world.registry.catalog
+    cat = sql_catalog(world.registry)
     [sharing], more = shared_chunks(cat, world.child)
     # 600 tokens in chunks of 256: the two full chunks are the same bytes in both.
     assert (sharing.digest, sharing.chunks, sharing.names, more) == (
@@ -127,7 +127,7 @@ def test_shared_chunks_and_search_queries(world: World) -> None:
 
 def test_untagged_artifacts_are_listed(world: World) -> None:
     world.registry.untag("team/base:v1")
-    rows, _ = search(world.registry.catalog, Search(repository="team/base"))
+    rows, _ = search(sql_catalog(world.registry), Search(repository="team/base"))
     assert [(r.tag, r.digest) for r in rows] == [(None, world.base)]
 
 
@@ -285,7 +285,7 @@ def test_pages_show_only_what_the_viewer_may_read(world: World) -> None:
 
 
 def test_corrupt_manifest_is_refused_not_shown(world: World) -> None:
-    tamper(world.registry.catalog, "UPDATE artifacts SET manifest = :m WHERE digest = :d",
+    tamper(sql_catalog(world.registry), "UPDATE artifacts SET manifest = :m WHERE digest = :d",
            m='{"schemaVersion": 1}', d=str(world.other))
     web = client(world.registry)
     page = web.get(f"/ui/a/{world.other}")
@@ -298,19 +298,19 @@ def test_lineage_walk_is_bounded(world: World, tmp_path: Path) -> None:
     for i in range(4):
         parent = reg.push(graft(tmp_path / f"g{i}.kv", 950 + i), f"team/gen{i}",
                           options=PushOptions(parents=(parent,))).digest
-    full = build(reg.catalog, world.base, ())
+    full = build(sql_catalog(reg), world.base, ())
     assert not full.truncated and len(full.nodes) == 6
     assert sorted(n.level for n in full.nodes) == [0, 1, 2, 3, 4, 5]
-    cut = build(reg.catalog, parent, reg.manifest(parent).parents, max_nodes=3)
+    cut = build(sql_catalog(reg), parent, reg.manifest(parent).parents, max_nodes=3)
     assert cut.truncated and len(cut.nodes) == 3
-    assert build(reg.catalog, world.base, (), max_depth=2).truncated
+    assert build(sql_catalog(reg), world.base, (), max_depth=2).truncated
 
 
 def test_lineage_that_joins_itself_points_right(world: World, tmp_path: Path) -> None:
     reg = world.registry
     both = reg.push(graft(tmp_path / "j.kv", 1000), "team/joined",
                     options=PushOptions(parents=(world.base, world.child))).digest
-    graph = build(reg.catalog, both, reg.manifest(both).parents)
+    graph = build(sql_catalog(reg), both, reg.manifest(both).parents)
     levels = {n.digest: n.level for n in graph.nodes}
     assert levels == {world.base: -2, world.child: -1, both: 0}
     assert set(graph.edges) == {(world.base, world.child), (world.base, both),

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvgraft.client import Registry
+
+if TYPE_CHECKING:
+    from kvgraft.catalog import Catalog
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -32,3 +36,13 @@ def s3_base_url() -> str:
         unavailable("an S3 server on loopback")
     assert base is not None
     return base
+
+
+def sql_catalog(reg: Registry) -> Catalog:
+    """The SQL catalog behind a direct registry, for tests that query or tamper with it
+    below the catalog API (a Registry types its catalog as the API both kinds share)."""
+    from kvgraft.catalog import Catalog
+
+    catalog = reg.catalog
+    assert isinstance(catalog, Catalog), f"{reg.config.catalog_url} is not a SQL catalog"
+    return catalog
