@@ -211,3 +211,50 @@ def match(ctx: click.Context, spec: str, dtype: str | None, text: str,
     names = ", ".join(found.references) or "untagged"
     click.echo(f"{found.digest}  {found.length} of {len(ids)} tokens cached "
                f"(artifact holds {found.token_count}; {names})")
+
+
+def from_llama_state(ctx: click.Context, file: Path, model: str | None, flag: bool) -> Path:
+    """The KV file converted from the seq-state file `file` (kept until the command ends)."""
+    import shutil
+    import tempfile
+
+    if not flag or model is None or not is_gguf(model):
+        raise UsageError("--from-llama-state and --model X.gguf go together")
+    _integration()
+    from kvgraft.integrations.llamacpp.statefile import kvfile_from_seq_file
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvgraft-llama-state-"))
+    ctx.call_on_close(lambda: shutil.rmtree(tmp, ignore_errors=True))
+    return kvfile_from_seq_file(file, model, tmp / "graft.kv",
+                                cache_dir=current_registry(ctx).config.cache_dir)
+
+
+def pull_llama_state(ctx: click.Context, ref: str, output: Path | None,
+                     signed_by: tuple[str, ...], require_verified: bool, offline: bool,
+                     as_json: bool) -> None:
+    """`pull REF --llama-state -o FILE`: the verified KV file, written as a seq-state file."""
+    import dataclasses
+    import tempfile
+
+    if output is None:
+        raise UsageError("--llama-state writes a file: give --output")
+    _integration()
+    from kvgraft.client import check_output
+    from kvgraft.integrations.llamacpp.statefile import seq_file_from_kvfile
+
+    check_output(output)
+    reg = current_registry(ctx)
+    if offline and not reg.config.offline:
+        reg = type(reg)(dataclasses.replace(reg.config, offline=True))
+        ctx.call_on_close(reg.close)
+    with tempfile.TemporaryDirectory(prefix="kvgraft-llama-state-") as tmp:
+        kvfile = Path(tmp) / "graft.kv"
+        result = reg.pull(Reference.parse(ref), kvfile, require_signed_by=signed_by,
+                          require_verified=require_verified)
+        seq_file_from_kvfile(kvfile, output)
+    if as_json:
+        emit_json({"digest": str(result.digest), "reference": ref, "output": str(output),
+                   "format": "llama.cpp seq-state"})
+        return
+    err(f"pulled {ref} as a llama.cpp state file: {output}")
+    click.echo(str(result.digest))

@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import IN_CI
 
 try:
-    import llama_cpp  # noqa: F401
+    import llama_cpp
 except ImportError:
     if IN_CI:
         raise RuntimeError("llama-cpp-python is not installed (required under CI=true)") from None
@@ -236,3 +236,51 @@ def test_corrupted_chunk_is_refused(model: Path, captured: dict[str, Any]) -> No
         assert not r.stdout
     finally:
         blob.write_bytes(original)
+
+
+def _save_seq_file(lm: Any, path: Path, tokens: list[int]) -> None:
+    arr = (llama_cpp.llama_token * len(tokens))(*tokens)
+    n = llama_cpp.llama_state_seq_save_file(lm.llm._ctx.ctx, str(path).encode(), 0, arr,
+                                            len(tokens))
+    assert n > 0, "llama.cpp did not write the state file"
+
+
+def test_llama_state_file_round_trips(model: Path, shared: dict[str, str],
+                                      tmp_path: Path) -> None:
+    import ctypes
+
+    lm = load_model(model, cache_dir=None, settings=Settings(threads=2))
+    ids = lm.tokenize(DOC)
+    tail = lm.tokenize(QUESTION, special=False)
+    prefill(lm, ids)
+    written = tmp_path / "slot.bin"
+    _save_seq_file(lm, written, ids)
+    two_step = greedy(lm, tail, 0)[0][0]  # llama.cpp: the prefix, then the tail
+    a, b = machine(shared, tmp_path / "a"), machine(shared, tmp_path / "b")
+    out = ok_json(kv(a, "push", "--from-llama-state", str(written), "docs/slot:v1",
+                     "--model", str(model), "--json"))
+    assert out["token_count"] == len(ids)
+    back = tmp_path / "back.bin"
+    ok_json(kv(b, "pull", "docs/slot:v1", "--llama-state", "-o", str(back), "--json"))
+    assert back.read_bytes() == written.read_bytes()  # byte for byte what llama.cpp wrote
+    # llama.cpp loads it, and the tail gives the two-step logits
+    fresh = load_model(model, cache_dir=None, settings=Settings(threads=2))
+    got = (llama_cpp.llama_token * 4096)()
+    count = ctypes.c_size_t(0)
+    assert llama_cpp.llama_state_seq_load_file(fresh.llm._ctx.ctx, str(back).encode(), 0, got,
+                                               4096, ctypes.byref(count)) > 0
+    assert list(got[: count.value]) == ids
+    fresh.llm.n_tokens = len(ids)
+    fresh.llm.input_ids[: len(ids)] = ids
+    assert greedy(fresh, tail, 0)[0][0].tobytes() == two_step.tobytes()
+
+
+def test_llama_state_file_of_another_version_is_refused(model: Path, cli_env: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    import struct
+
+    old = tmp_path / "old.bin"
+    old.write_bytes(struct.pack("<III", 0x67677371, 2, 0))
+    r = kv(cli_env, "push", "--from-llama-state", str(old), "docs/old:v1", "--model",
+           str(model))
+    assert r.returncode == 2 and "version 2" in r.stderr, r.stderr

@@ -20,9 +20,10 @@ from kvgraft import __version__
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IncompatibleModel, UsageError
-from kvgraft.formats.kvfile import KVLayout, write_kvfile
+from kvgraft.formats.kvfile import KVLayout, RawTensor, write_kvfile
 from kvgraft.formats.manifest import Manifest
 from kvgraft.identity.compat import CompatReport, compare
+from kvgraft.identity.fingerprint import Fingerprint
 from kvgraft.integrations.llamacpp.engine import (
     LlamaModel,
     fit_context,
@@ -83,29 +84,38 @@ def capture(lm: LlamaModel, output: Path | str, *, token_ids: Sequence[int] | No
     prefill(lm, ids)
     seconds = time.perf_counter() - start
     logits = last_logits(lm)
-    tensors = kv_tensors(state_tensors(lm, len(ids)))
+    logits_digest = Digest.of(logits.tobytes())
+    path = write_graft(lm.fingerprint, ids, kv_tensors(state_tensors(lm, len(ids))), output,
+                       created=t0, text=text, output_extra={
+                           "next_token": {"logits": str(logits_digest), "logits_dtype": "F32",
+                                          "argmax": int(logits.argmax())},
+                           "prefill_seconds": round(seconds, 6)})
+    return Capture(path, len(ids), int(logits.argmax()), logits_digest, seconds, lm)
+
+
+def write_graft(fp: Fingerprint, ids: Sequence[int],
+                tensors: list[tuple[RawTensor, RawTensor, int]], output: Path | str, *,
+                created: datetime, text: str | None = None,
+                input_extra: dict[str, Any] | None = None,
+                output_extra: dict[str, Any] | None = None) -> Path:
+    """Write the KV file of a llama.cpp sequence with its provenance."""
     digests = {}
     for i, (k, v, _) in enumerate(tensors):
         digests[f"layers.{i}.key"] = str(Digest.of(k.data))
         digests[f"layers.{i}.value"] = str(Digest.of(v.data))
     token_bytes = np.asarray(ids, dtype="<i8").tobytes()
     digests["token_ids"] = str(Digest.of(token_bytes))
-    logits_digest = Digest.of(logits.tobytes())
     provenance = {
-        "created": t0.isoformat(), "creator": f"{_user()}@{socket.gethostname()}",
-        "kvgraft": __version__, "engine": lm.engine,
+        "created": created.isoformat(), "creator": f"{_user()}@{socket.gethostname()}",
+        "kvgraft": __version__, "engine": fp.config["engine"],
         "input": {"token_ids": digests["token_ids"], "token_count": len(ids),
-                  "text": str(Digest.of(text.encode())) if text is not None else None},
-        "output": {"tensors": digests,
-                   "next_token": {"logits": str(logits_digest), "logits_dtype": "F32",
-                                  "argmax": int(logits.argmax())},
-                   "prefill_seconds": round(seconds, 6)},
+                  "text": str(Digest.of(text.encode())) if text is not None else None,
+                  **(input_extra or {})},
+        "output": {"tensors": digests, **(output_extra or {})},
         "parents": [],
     }
-    fp = lm.fingerprint
-    path = write_kvfile(output, tensors, token_bytes, fp.identity, model_name=fp.name,
+    return write_kvfile(output, tensors, token_bytes, fp.identity, model_name=fp.name,
                         model_config=fp.config, provenance=provenance)
-    return Capture(path, len(ids), int(logits.argmax()), logits_digest, seconds, lm)
 
 
 def _user() -> str:
