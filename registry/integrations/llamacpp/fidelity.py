@@ -1,0 +1,171 @@
+"""The fidelity check on llama.cpp: a graft restored into the model must give logits
+byte-identical to llama.cpp computing the same prefix and then the suffix (the two-step),
+in this process, with these settings; the greedy continuation must be the same. With
+`recompute`, the prefix's KV from that fresh prefill is converted as capture converts it
+and every tensor digest compared with the manifest. A pass is stored as the fidelity
+attestation (the predicate the transformers and vLLM checks store)."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from kvgraft import __version__
+from kvgraft.client import Registry
+from kvgraft.digest import Digest
+from kvgraft.errors import UsageError
+from kvgraft.integrations.llamacpp.engine import LlamaModel, fit_context
+from kvgraft.integrations.llamacpp.graft import greedy, load_graft, prefill, state_tensors
+from kvgraft.integrations.llamacpp.state import kv_tensors
+from kvgraft.provenance.statement import fidelity_statement
+from kvgraft.reference import Reference
+
+DEFAULT_SUFFIX = " In summary,"
+CLAIM = ("restored graft gives llama.cpp's own two-step logits (prefix, then suffix) byte "
+         "for byte, and the same greedy tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    index: int  # 0: after the suffix; then each greedy step
+    graft_sha256: str
+    fresh_sha256: str
+    graft_argmax: int
+    fresh_argmax: int
+    max_abs_diff: float
+
+    @property
+    def identical(self) -> bool:
+        return self.graft_sha256 == self.fresh_sha256
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "identical": self.identical,
+                "graft_sha256": self.graft_sha256, "fresh_sha256": self.fresh_sha256,
+                "graft_argmax": self.graft_argmax, "fresh_argmax": self.fresh_argmax,
+                "max_abs_diff": self.max_abs_diff}
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaFidelityReport:
+    reference: Reference
+    digest: Digest
+    prefix_tokens: int
+    suffix_tokens: tuple[int, ...]
+    positions: tuple[Position, ...]
+    graft_tokens: tuple[int, ...]
+    fresh_tokens: tuple[int, ...]
+    engine: dict[str, Any]
+    recompute: dict[str, Any] | None = None
+    attestation: int | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def byte_identical(self) -> bool:
+        return (all(p.identical for p in self.positions)
+                and self.graft_tokens == self.fresh_tokens)
+
+    @property
+    def ok(self) -> bool:
+        return self.byte_identical and (self.recompute is None or self.recompute["ok"])
+
+    def summary(self) -> dict[str, Any]:
+        agree = sum(p.graft_argmax == p.fresh_argmax for p in self.positions)
+        return {"byte_identical": self.byte_identical, "ok": self.ok,
+                "positions": len(self.positions),
+                "identical_positions": sum(p.identical for p in self.positions),
+                "argmax_agreement": agree / len(self.positions),
+                "max_abs_diff": max(p.max_abs_diff for p in self.positions),
+                "greedy_steps": len(self.graft_tokens),
+                "greedy_identical": self.graft_tokens == self.fresh_tokens}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reference": str(self.reference), "digest": str(self.digest),
+                "prefix_tokens": self.prefix_tokens, "suffix_tokens": list(self.suffix_tokens),
+                **self.summary(), "graft_continuation": list(self.graft_tokens),
+                "fresh_continuation": list(self.fresh_tokens), "engine": self.engine,
+                "recompute": self.recompute, "attestation": self.attestation,
+                "timings": self.timings, "detail": [p.to_json() for p in self.positions]}
+
+
+def _positions(g: list[tuple[Any, int]], f: list[tuple[Any, int]]) -> tuple[Position, ...]:
+    out = []
+    for i, ((a, ta), (b, tb)) in enumerate(zip(g, f, strict=False)):
+        diff = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
+        out.append(Position(i, Digest.of(a.tobytes()).hex, Digest.of(b.tobytes()).hex,
+                            ta, tb, diff))
+    return tuple(out)
+
+
+def recompute_tensors(lm: LlamaModel, count: int, expected: dict[str, Digest],
+                      ) -> dict[str, Any]:
+    """Compare the KV llama.cpp holds now (a fresh prefill of the graft's tokens) with the
+    manifest's tensor digests, converted as capture converts it."""
+    bad = []
+    checked = 0
+    for i, (k, v, _) in enumerate(kv_tensors(state_tensors(lm, count))):
+        for kind, t in (("key", k), ("value", v)):
+            name = f"layers.{i}.{kind}"
+            got = Digest.of(t.data)
+            checked += 1
+            if expected.get(name) != got:
+                bad.append({"tensor": name, "expected": str(expected.get(name)),
+                            "found": str(got)})
+    want = sum(1 for n in expected if n.startswith("layers."))
+    return {"ok": not bad and checked == want, "checked": checked, "mismatches": bad}
+
+
+def verify_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
+                 suffix: str | None = None, steps: int = 8, recompute: bool = False,
+                 attest: bool = True, require_signed_by: Sequence[str] = (),
+                 ) -> LlamaFidelityReport:
+    """Restore `ref`, feed the suffix and `steps` greedy tokens; then the same from a fresh
+    prefill; compare logits byte for byte. A pass is attested (online)."""
+    ids = lm.tokenize(DEFAULT_SUFFIX if suffix is None else suffix, special=False)
+    if not ids:
+        raise UsageError("the suffix has no tokens")
+    if steps < 0:
+        raise UsageError("steps must be at least 0")
+    reference = Reference.parse(ref) if isinstance(ref, str) else ref
+    t0 = time.perf_counter()
+    graft = load_graft(registry, lm, reference, require_signed_by=require_signed_by,
+                       for_verification=True)
+    lm = fit_context(lm, graft.token_count + len(ids) + steps + 1)
+    graft.restore(lm)
+    t1 = time.perf_counter()
+    grafted = greedy(lm, ids, steps)
+    t2 = time.perf_counter()
+    prefill(lm, graft.token_ids)
+    checked = (recompute_tensors(lm, graft.token_count, dict(graft.manifest.tensors))
+               if recompute else None)
+    t3 = time.perf_counter()
+    fresh = greedy(lm, ids, steps)
+    t4 = time.perf_counter()
+    report = LlamaFidelityReport(
+        reference, graft.digest, graft.token_count, tuple(ids), _positions(grafted, fresh),
+        tuple(t for _, t in grafted), tuple(t for _, t in fresh), dict(lm.engine), checked,
+        None, {"load_restore": round(t1 - t0, 6), "grafted": round(t2 - t1, 6),
+               "fresh_prefill": round(t3 - t2, 6), "fresh": round(t4 - t3, 6)})
+    if report.ok and attest and not registry.config.offline:
+        report = replace(report, attestation=attest_fidelity(registry, report, lm))
+    return report
+
+
+def attest_fidelity(registry: Registry, report: LlamaFidelityReport, lm: LlamaModel) -> int:
+    import llama_cpp
+
+    statement = fidelity_statement(report.digest, lm.identity, report.ok, details={
+        "host": registry.host, "creator": f"{registry.user}@{registry.host}",
+        "engine": dict(report.engine), "claim": CLAIM,
+        "versions": {"kvgraft": __version__, "llama_cpp_python": str(llama_cpp.__version__),
+                     "python": platform.python_version()},
+        "result": {**report.summary(), "prefix_tokens": report.prefix_tokens,
+                   "suffix_tokens": list(report.suffix_tokens),
+                   "logits_sha256": [p.graft_sha256 for p in report.positions],
+                   "continuation": list(report.graft_tokens), "recompute": report.recompute}})
+    ref = report.reference
+    return registry.attest(statement, detail={"repository": ref.name, "engine": "llama.cpp"})
