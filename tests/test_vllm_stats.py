@@ -72,7 +72,7 @@ def test_vllm_aggregates_and_logs_the_intervals_of_both_sides() -> None:
     logging.observe(_interval(lookups=3, hits=1, **{"fallback.timeout": 1}))
     logging.observe(_interval(restored=1, restored_tokens=256))
     lines: list[str] = []
-    logging.log(lambda fmt, text: lines.append(fmt % text))
+    logging.log(lambda fmt, text: lines.append(fmt % text))  # type: ignore[no-untyped-call]
     assert len(lines) == 1
     logged = dict(part.split("=") for part in lines[0].split(": ", 1)[1].split(", "))
     assert logged == {"kvgraft.restored": "2", "kvgraft.restored_tokens": "768",
@@ -86,7 +86,7 @@ def test_the_figures_become_vllm_kvgraft_series() -> None:
     registry = CollectorRegistry()
 
     def bound(cls: Any) -> Any:
-        class Bound(cls):  # type: ignore[misc, valid-type]
+        class Bound(cls):  # type: ignore[misc]
             def __init__(self, *args: Any, **kw: Any) -> None:
                 super().__init__(*args, registry=registry, **kw)
         return Bound

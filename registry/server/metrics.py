@@ -141,7 +141,8 @@ class ServerMetrics:
             from prometheus_client import multiprocess
 
             scrape = CollectorRegistry()
-            multiprocess.MultiProcessCollector(scrape, path=self.multiprocess_dir)
+            multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
+                scrape, path=self.multiprocess_dir)
         scrape_uploads = _Uploads(self.upload_dir)
         scrape.register(scrape_uploads)
         try:

@@ -144,7 +144,8 @@ class KvgraftPromMetrics(KVConnectorPromMetrics):
                                  "computed its prefill), by reason.", "reason")
         self.publishes = counter("publishes", "kvgraft publishes, by outcome (queued, "
                                  "stored, dropped: queue full, failed).", "outcome")
-        self.seconds = self._histogram_cls(
+        histogram: Any = self._histogram_cls  # vLLM's class (prometheus_client's, or Ray's)
+        self.seconds = histogram(
             name="vllm:kvgraft_restore_seconds", documentation="Time a kvgraft restore "
             "took in the worker (reading, verifying, writing into vLLM's cache).",
             labelnames=labelnames, buckets=list(SECONDS_BUCKETS))
