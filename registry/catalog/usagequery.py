@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import distinct, func, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from kvgraft.catalog.models import (
@@ -24,8 +24,8 @@ from kvgraft.catalog.usage import USE_ACTIONS, RepositoryUsage, UsageReport
 
 def repository_names(s: Session, pattern: str | None = None) -> list[str]:
     """Every repository holding an artifact or a tag (shell glob `pattern`, if given)."""
-    names = set(s.scalars(select(distinct(RepositoryArtifactRow.repository))))
-    names |= set(s.scalars(select(distinct(TagRow.repository))))
+    names = set(s.scalars(select(RepositoryArtifactRow.repository).distinct()))
+    names |= set(s.scalars(select(TagRow.repository).distinct()))
     return sorted(n for n in names if pattern is None or fnmatch.fnmatchcase(n, pattern))
 
 
