@@ -52,8 +52,9 @@ class DoctorReport:
                 "problems": [c.to_json() for c in self.problems]}
 
 
-def examine(config: Config) -> DoctorReport:
-    checks = [*_extras(config)]
+def examine(config: Config, *, extras: bool = True) -> DoctorReport:
+    """Every check (`extras`: with the imports of the extras, the slow part)."""
+    checks = _extras(config) if extras else []
     served = config.server_url is not None
     for name, probe in (("catalog", _catalog), ("store", _store)):
         if served:
@@ -164,10 +165,13 @@ def _local_store(root: Path, url: str) -> Check:
     directories are left alone: a probe blob would leave one behind)."""
     if not root.exists():
         parent = _existing_ancestor(root)
-        if not os.access(parent, os.W_OK | os.X_OK):
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
             return Check("store", "problem", f"{url}: does not exist and {parent} is not "
                          "writable", f"create {root} writable by this user")
         return Check("store", "ok", f"{url}: created on first push ({parent} is writable)")
+    if not root.is_dir():
+        return Check("store", "problem", f"{url}: {root} is not a directory",
+                     "point KVGRAFT_BLOB_URL at a directory")
     probe = root / f".kvgraft-doctor-{uuid.uuid4().hex}"
     try:
         probe.write_bytes(b"probe")
@@ -185,7 +189,7 @@ def _local_store(root: Path, url: str) -> Check:
 def _cache(config: Config) -> Check:
     path = config.cache_dir
     existing = _existing_ancestor(path)
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         return Check("cache", "problem", f"{path}: {existing} is not writable",
                      "set KVGRAFT_CACHE to a writable directory")
     free = shutil.disk_usage(existing).free
