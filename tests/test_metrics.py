@@ -12,6 +12,11 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgraft.blobstore.local import LocalBlobStore
+from kvgraft.catalog import Catalog
+from kvgraft.digest import Digest
+from kvgraft.errors import Unavailable
+from kvgraft.server.metrics import backend_of
 from tests.support.serve import Server, kvgraft, make_token, running_server, server_env
 from tests.support.synthetic import write_synthetic
 
@@ -115,3 +120,17 @@ def test_metrics_public_lets_anyone_scrape(tmp_path: Path) -> None:
         assert total(found, "kvgraft_http_requests_total",
                      route="/v2/{rest:path}") == 0  # the OCI routes are told apart
         assert total(found, "kvgraft_http_requests_total", route="/v2/") >= 1
+
+
+def test_catalog_and_store_errors_are_told_apart(tmp_path: Path) -> None:
+    not_sqlite = tmp_path / "catalog.db"
+    not_sqlite.write_bytes(b"not a database")
+    with pytest.raises(Unavailable) as catalog_error:
+        Catalog.open(f"sqlite:///{not_sqlite}")
+    (tmp_path / "file").write_text("x")
+    store = LocalBlobStore(tmp_path / "file")  # a store whose directory is a file
+    with pytest.raises(Unavailable) as store_error:
+        store.put(Digest.of(b"x"), [b"x"])
+    assert backend_of(catalog_error.value) == "catalog"
+    assert backend_of(store_error.value) == "store"
+    assert backend_of(Unavailable("elsewhere")) == "other"

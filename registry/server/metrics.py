@@ -110,6 +110,8 @@ class ServerMetrics:
         self.errors = Counter("kvgraft_backend_errors", "Catalog and blob store failures "
                               "met while answering requests.", ["backend", "kind"],
                               registry=r)
+        self.uploads = _Uploads(upload_dir)
+        r.register(self.uploads)
 
     def backend_error(self, error: BaseException) -> None:
         """Count a library error that reached a response, if it is a backend's failure."""
@@ -136,19 +138,14 @@ class ServerMetrics:
         from prometheus_client import CollectorRegistry, generate_latest
 
         if self.multiprocess_dir is None:
-            scrape = self.registry
-        else:
-            from prometheus_client import multiprocess
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
 
-            scrape = CollectorRegistry()
-            multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
-                scrape, path=self.multiprocess_dir)
-        scrape_uploads = _Uploads(self.upload_dir)
-        scrape.register(scrape_uploads)
-        try:
-            return generate_latest(scrape)
-        finally:
-            scrape.unregister(scrape_uploads)
+        scrape = CollectorRegistry()  # one per scrape: scrapes may run side by side
+        multiprocess.MultiProcessCollector(  # type: ignore[no-untyped-call]
+            scrape, path=self.multiprocess_dir)
+        scrape.register(self.uploads)
+        return generate_latest(scrape)
 
 
 class _Uploads:
