@@ -42,6 +42,7 @@ LAZY_COMMANDS = {
     "kvgraft.cli.graft": ("fingerprint", "capture", "check", "graft", "verify-graft", "match"),
     "kvgraft.cli.audit": ("log", "provenance", "key", "trust", "sign", "audit", "gc"),
     "kvgraft.cli.server": ("serve", "token"),
+    "kvgraft.cli.ops": ("stats", "doctor"),
 }
 _MODULE_OF = {name: module for module, names in LAZY_COMMANDS.items() for name in names}
 

@@ -73,13 +73,15 @@ def _token_registry(ctx: click.Context, what: str) -> Registry:
                    "KVGRAFT_S3_PUBLIC_ENDPOINT_URL names the endpoint they use).")
 @click.option("--redirect-expiry", type=click.IntRange(1, 3600), default=300,
               show_default=True, metavar="SECONDS", help="How long a presigned URL is good for.")
+@click.option("--metrics-public", is_flag=True,
+              help="Let anyone scrape GET /metrics (default: a token with admin on '*').")
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path | None,
           keyfile: Path | None, public: tuple[str, ...], max_upload: int,
           max_open_uploads: int, max_open_uploads_per_token: int, upload_ttl: float,
           header_timeout: float, body_timeout: float, min_body_rate: int,
           max_connections: int, upload_dir: Path | None, behind_proxy: str | None,
-          redirect_blobs: bool, redirect_expiry: int) -> None:
+          redirect_blobs: bool, redirect_expiry: int, metrics_public: bool) -> None:
     """Serve the catalog and store over HTTP: the OCI distribution API and /kvgraft/v1."""
     from kvgraft.errors import UsageError
     from kvgraft.server.main import serve as run
@@ -94,7 +96,8 @@ def serve(ctx: click.Context, host: str, port: int, workers: int, certfile: Path
                               upload_ttl_seconds=upload_ttl, header_timeout=header_timeout,
                               body_timeout=body_timeout, min_body_rate=min_body_rate,
                               max_connections=max_connections,
-                              redirect_blobs=redirect_blobs, redirect_seconds=redirect_expiry)
+                              redirect_blobs=redirect_blobs, redirect_seconds=redirect_expiry,
+                              metrics_public=metrics_public)
     run(config, settings, host=host, port=port, workers=workers, certfile=certfile,
         keyfile=keyfile, forwarded_allow_ips=behind_proxy)
 

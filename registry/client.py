@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from kvgraft.catalog import EventRecord, TagRecord
     from kvgraft.catalog.api import CatalogAPI, TagListing
     from kvgraft.catalog.records import AttestationRecord
+    from kvgraft.catalog.usage import UsageReport
     from kvgraft.formats.manifest import Manifest
     from kvgraft.provenance import Keyring, Statement
     from kvgraft.provenance.audit import AuditReport
@@ -189,6 +190,9 @@ class Registry:
     def log(self, ref: Reference | str | None = None, *, since: datetime | None = None,
             action: str | None = None) -> tuple[EventRecord, ...]:
         return self.events.log(ref, since=since, action=action)
+
+    def stats(self, pattern: str | None = None) -> UsageReport:
+        return self.listing.stats(pattern)
 
     def provenance(self, ref: Reference | str,
                    ) -> tuple[Statement, tuple[AttestationRecord, ...]]:

@@ -22,6 +22,7 @@ from kvgraft.reference import Reference
 
 if TYPE_CHECKING:  # the chain check loads SQLAlchemy: `kvgraft ls` need not
     from kvgraft.catalog.events import ChainReport
+    from kvgraft.catalog.usage import UsageReport
 
 
 class TagListing(Protocol):
@@ -62,6 +63,8 @@ class CatalogAPI(TagListing, Protocol):
     def event_trigger_problems(self) -> list[str]: ...
 
     def deleted_blobs(self, digests: Iterable[Digest]) -> set[Digest]: ...
+
+    def usage(self, pattern: str | None = None) -> UsageReport: ...
 
     # --- writes ------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -14,7 +14,7 @@ from sqlalchemy import Select, delete, func, select
 from sqlalchemy.orm import Session
 
 from kvgraft.catalog import events as chain
-from kvgraft.catalog import gcquery, lineage
+from kvgraft.catalog import gcquery, lineage, usagequery
 from kvgraft.catalog.models import (
     ArtifactBlobRow,
     ArtifactChunkRow,
@@ -39,6 +39,7 @@ from kvgraft.catalog.records import (
     aware,
     stored_digest,
 )
+from kvgraft.catalog.usage import UsageReport
 from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import NotFound
 from kvgraft.reference import Reference
@@ -279,6 +280,15 @@ class Catalog(CatalogReader):
                 digest=stored_digest(e.digest, "events") if e.digest else None,
                 detail=json.loads(e.detail), at=aware(e.at), id=e.id)
                 for e in s.scalars(q)]
+
+    def usage(self, pattern: str | None = None, *,
+              visible: Callable[[str], bool] | None = None) -> UsageReport:
+        """What the repositories matching `pattern` (those `visible` admits) hold and how
+        much they are used (kvgraft.catalog.usage)."""
+        with self._session() as s:
+            names = [n for n in usagequery.repository_names(s, pattern)
+                     if visible is None or visible(n)]
+            return usagequery.usage(s, names)
 
     # --- audit, lineage and gc: the queries live in catalog.events, .lineage, .gcquery ---
 

@@ -23,6 +23,7 @@ from kvgraft.catalog.records import (
     PushRecord,
     TagRecord,
 )
+from kvgraft.catalog.usage import UsageReport
 from kvgraft.digest import Digest
 from kvgraft.errors import NotFound
 from kvgraft.reference import Reference
@@ -134,6 +135,11 @@ class HttpCatalog:
     def event_trigger_problems(self) -> list[str]:
         return self._get("event-chain", "the event log's chain",
                          lambda a: [str(p) for p in a["trigger_problems"]])
+
+    def usage(self, pattern: str | None = None) -> UsageReport:
+        """The server's figures for the repositories this token may pull."""
+        return self._get("stats", "repository statistics", UsageReport.from_json,
+                         pattern=pattern)
 
     def deleted_blobs(self, digests: Iterable[Digest]) -> set[Digest]:
         # The server checks its own gc history when it commits a push (see record_push).

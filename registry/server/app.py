@@ -23,6 +23,7 @@ from kvgraft.errors import RegistryError
 from kvgraft.server import auth, catalogapi, kvapi, oci
 from kvgraft.server.context import Context
 from kvgraft.server.errors import OciError
+from kvgraft.server.metrics import CONTENT_TYPE, MetricsMiddleware, ServerMetrics
 from kvgraft.server.settings import ServerSettings
 
 API_VERSION = "registry/2.0"
@@ -77,6 +78,22 @@ async def token_endpoint(request: Request) -> Response:
                         headers={"Cache-Control": "no-store"})
 
 
+async def metrics_endpoint(request: Request) -> Response:
+    """`GET /metrics`: Prometheus' text format, for a token with the admin scope on `*`
+    (what the whole audit log needs too) or for anyone under `--metrics-public`."""
+    ctx: Context = request.app.state.ctx
+    if not ctx.settings.metrics_public:
+        try:
+            principal = await run_in_threadpool(ctx.authenticate, request)
+            if not principal.may(ctx.settings, "*", "admin"):
+                raise ctx.refuse(request, principal, "*", "admin")
+        except OciError as e:
+            return e.response()
+    metrics: ServerMetrics = request.app.state.metrics
+    body = await run_in_threadpool(metrics.exposition)
+    return Response(body, media_type=CONTENT_TYPE, headers={"Cache-Control": "no-store"})
+
+
 def create_app(registry_factory: Callable[[], Registry], settings: ServerSettings, *,
                extra_routes: Sequence[BaseRoute] = (), pages: bool = True) -> Starlette:
     """The application. `registry_factory` runs once per worker, at start-up; routes in
@@ -87,6 +104,7 @@ def create_app(registry_factory: Callable[[], Registry], settings: ServerSetting
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         registry = await run_in_threadpool(registry_factory)
         app.state.ctx = Context(registry, settings)
+        app.state.ctx.metrics = metrics
         await run_in_threadpool(lambda: app.state.ctx.oci)  # catalog opened and checked
         try:
             yield
@@ -101,15 +119,19 @@ def create_app(registry_factory: Callable[[], Registry], settings: ServerSetting
     routes: list[BaseRoute] = [
         Route("/v2/", base, methods=["GET", "HEAD"]),
         Route("/v2/token", token_endpoint, methods=["GET", "POST"], name="token_endpoint"),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/v2/{rest:path}", oci.dispatch,
               methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"]),
         *kvapi.routes(),
         *catalogapi.routes(),
         *extra_routes,
     ]
+    metrics = ServerMetrics(settings.upload_dir)
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={RegistryError: on_registry_error},
-                    middleware=[Middleware(HeaderLimit)])
+                    middleware=[Middleware(MetricsMiddleware, metrics=metrics),
+                                Middleware(HeaderLimit)])
+    app.state.metrics = metrics
     if pages:
         app.router.routes.extend(_web_pages(app))
     return app

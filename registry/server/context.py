@@ -24,6 +24,7 @@ from kvgraft.formats.manifest import Manifest
 from kvgraft.oci import graft as ocigraft
 from kvgraft.server import auth
 from kvgraft.server.errors import OciError, from_registry_error
+from kvgraft.server.metrics import ServerMetrics
 from kvgraft.server.settings import ServerSettings
 from kvgraft.server.uploads import Uploads
 
@@ -52,6 +53,8 @@ class RenderedAttestation:
 
 
 class Context:
+    metrics: ServerMetrics | None = None  # the application's, once it serves
+
     def __init__(self, registry: Registry, settings: ServerSettings) -> None:
         self.registry = registry
         self.settings = settings
@@ -93,6 +96,8 @@ class Context:
         return auth.refuse(request, principal, repository, action)
 
     def registry_error(self, request: Request, e: RegistryError) -> OciError:
+        if self.metrics is not None:
+            self.metrics.backend_error(e)
         err = from_registry_error(e)
         if err.status == 401:
             err.headers.update(auth.challenge(request, None))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -120,6 +121,27 @@ def match(request: Request, ctx: Context) -> dict[str, Any]:
     return {"match": found.to_json()}
 
 
+def token(request: Request, ctx: Context) -> dict[str, Any]:
+    """The presented token's name, scopes and state (what `kvgraft doctor` reports)."""
+    principal = principal_of(request, ctx)
+    t = principal.token
+    if t is None:
+        return {"name": principal.name, "scopes": [], "state": "anonymous",
+                "expires_at": None}
+    return {"name": t.name, "scopes": [str(s) for s in t.scopes],
+            "state": t.state(datetime.now(UTC)),
+            "expires_at": t.expires_at.isoformat() if t.expires_at else None}
+
+
+def stats(request: Request, ctx: Context) -> dict[str, Any]:
+    """`kvgraft stats` through a server: the repositories the caller may pull."""
+    principal = principal_of(request, ctx)
+    pattern = request.query_params.get("pattern") or None
+    report = ctx.catalog.usage(pattern,
+                               visible=lambda r: principal.may(ctx.settings, r, "pull"))
+    return report.to_json()
+
+
 def stored(request: Request, ctx: Context) -> Response:
     """A graft blob exactly as stored (encoded, self-describing): what an HTTP remote's pull
     fetches into its machine cache and verifies there. `Range: bytes=N-` resumes. With
@@ -179,5 +201,7 @@ def routes() -> list[Route]:
         Route(f"{PREFIX}/models", _guarded(models), methods=["GET"]),
         Route(f"{PREFIX}/log", _guarded(log), methods=["GET"]),
         Route(f"{PREFIX}/match", _guarded(match), methods=["GET"]),
+        Route(f"{PREFIX}/stats", _guarded(stats), methods=["GET"]),
+        Route(f"{PREFIX}/token", _guarded(token), methods=["GET"]),
         Route(f"{PREFIX}/stored/{{digest}}", _guarded(stored), methods=["GET"]),
     ]

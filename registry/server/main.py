@@ -3,9 +3,13 @@ variable, and each worker builds its own Registry from them (`app_from_env`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,7 @@ from kvgraft.errors import MissingExtra
 from kvgraft.server import protocol
 from kvgraft.server.app import create_app
 from kvgraft.server.context import server_catalog, server_store
+from kvgraft.server.metrics import MULTIPROC_ENV
 from kvgraft.server.settings import ServerSettings
 
 ENV = "KVGRAFT_SERVE_SETTINGS"
@@ -73,14 +78,31 @@ def serve(config: Config, settings: ServerSettings, *, host: str, port: int, wor
     os.environ[ENV] = _encode(config, settings)
     # The protocol bounds each connection (kvgraft.server.protocol): head size and time,
     # body rate, connections per worker. Idle keep-alive connections close after 5 s.
-    uvicorn.run("kvgraft.server.main:app_from_env", factory=True, host=host, port=port,
-                workers=workers if workers > 1 else None, log_level=log_level,
-                http="kvgraft.server.protocol:GuardedHttpTools",
-                ssl_certfile=str(certfile) if certfile else None,
-                ssl_keyfile=str(keyfile) if keyfile else None,
-                timeout_keep_alive=5, proxy_headers=forwarded_allow_ips is not None,
-                forwarded_allow_ips=forwarded_allow_ips,
-                server_header=False, timeout_graceful_shutdown=10)
+    with _metrics_dir(workers):
+        uvicorn.run("kvgraft.server.main:app_from_env", factory=True, host=host, port=port,
+                    workers=workers if workers > 1 else None, log_level=log_level,
+                    http="kvgraft.server.protocol:GuardedHttpTools",
+                    ssl_certfile=str(certfile) if certfile else None,
+                    ssl_keyfile=str(keyfile) if keyfile else None,
+                    timeout_keep_alive=5, proxy_headers=forwarded_allow_ips is not None,
+                    forwarded_allow_ips=forwarded_allow_ips,
+                    server_header=False, timeout_graceful_shutdown=10)
+
+
+@contextlib.contextmanager
+def _metrics_dir(workers: int) -> Iterator[None]:
+    """Several workers keep their metrics in files of a directory this server alone uses,
+    which every scrape sums (kvgraft.server.metrics); one worker keeps them in memory."""
+    os.environ.pop(MULTIPROC_ENV, None)
+    if workers == 1:
+        yield
+        return
+    path = tempfile.mkdtemp(prefix="kvgraft-metrics-")
+    os.environ[MULTIPROC_ENV] = path
+    try:
+        yield
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _fit_descriptors(settings: ServerSettings) -> ServerSettings:

@@ -28,6 +28,7 @@ class ServerSettings:
     # one), so blob bytes go from the bucket to the client without passing through here.
     redirect_blobs: bool = False
     redirect_seconds: int = 300  # how long such a URL is good for; a client asks again after
+    metrics_public: bool = False  # GET /metrics without a token (else admin on `*`)
 
     def is_public(self, repository: str) -> bool:
         return any(fnmatch.fnmatchcase(repository, p) for p in self.public)

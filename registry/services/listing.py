@@ -11,6 +11,7 @@ from kvgraft.catalog.records import ArtifactRecord, TagRecord
 from kvgraft.reference import Reference, check_name
 
 if TYPE_CHECKING:
+    from kvgraft.catalog.usage import UsageReport
     from kvgraft.formats.manifest import Manifest
     from kvgraft.services.backends import Backends
     from kvgraft.services.manifests import Manifests
@@ -53,6 +54,18 @@ class Listing:
         if pattern:
             tags = tuple(t for t in tags if fnmatch.fnmatchcase(t.repository, pattern))
         return tags
+
+    def stats(self, pattern: str | None = None) -> UsageReport:
+        """Artifacts, bytes stored and saved by sharing chunks, hits and last use of each
+        repository matching the shell glob `pattern` (kvgraft.catalog.usage); through a
+        server, of those the token may pull."""
+        from kvgraft.catalog.usage import RepositoryUsage, UsageReport
+
+        if pattern and not any(ch in pattern for ch in "*?["):
+            check_name(pattern)
+        if self.backends.listing() is None:  # never written to: nothing to create
+            return UsageReport((), RepositoryUsage("*"))
+        return self.backends.catalog.usage(pattern)
 
     def inspect(self, ref: Reference | str) -> Inspection:
         ref = Reference.parse(ref) if isinstance(ref, str) else ref

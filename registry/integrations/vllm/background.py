@@ -18,15 +18,30 @@ log = logging.getLogger("vllm.kvgraft")
 
 
 class Counters:
-    """Thread-safe event counters (restores, fallbacks by reason, publishes, drops)."""
+    """Thread-safe event counters (restores, fallbacks by reason, publishes, drops), and
+    timings vLLM's metrics take as samples (drained by kvgraft.integrations.vllm.stats)."""
+
+    MAX_SAMPLES = 10_000  # per name, between two drains: beyond, the oldest go
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._c: Counter[str] = Counter()
+        self._samples: dict[str, list[float]] = {}
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._c[name] += n
+
+    def observe(self, name: str, value: float) -> None:
+        with self._lock:
+            kept = self._samples.setdefault(name, [])
+            kept.append(value)
+            del kept[: -self.MAX_SAMPLES]
+
+    def drain_samples(self) -> dict[str, list[float]]:
+        with self._lock:
+            out, self._samples = self._samples, {}
+            return out
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -47,6 +62,7 @@ class Background:
             self._counters.add(f"dropped.{kind}")
             log.warning("kvgraft: %s queue full, dropped one %s job", self._thread.name, kind)
             return False
+        self._counters.add(f"queued.{kind}")
         return True
 
     def _run(self) -> None:

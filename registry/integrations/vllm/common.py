@@ -126,6 +126,8 @@ class Context:
         if registry is None:
             return
         full = {"engine": (self.ident.engine if self.ident else None), **detail}
+        if action == "restore" and outcome == "ok" and "seconds" in detail:
+            self.counters.observe("restore_seconds", float(detail["seconds"]))
         self.bg.submit("event", lambda: event(registry, action, digest, outcome, full,
                                               self.repository or None))
 

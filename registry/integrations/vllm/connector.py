@@ -31,10 +31,17 @@ from kvgraft.integrations.vllm.background import Counters
 from kvgraft.integrations.vllm.common import Context, KvgraftMetadata
 from kvgraft.integrations.vllm.identity import EngineIdentity
 from kvgraft.integrations.vllm.scheduler import KvgraftConnectorScheduler
+from kvgraft.integrations.vllm.stats import KvgraftConnectorStats, KvgraftPromMetrics, StatsSource
 from kvgraft.integrations.vllm.worker import KvgraftConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -55,6 +62,7 @@ class KvgraftConnector(KVConnectorBase_V1):
         else:
             self.connector_worker = KvgraftConnectorWorker(ctx)
         self._ctx = ctx
+        self._stats = StatsSource(ctx.counters)
 
     # what this side serves, for logs and tests
     @property
@@ -86,7 +94,9 @@ class KvgraftConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
                                    ) -> tuple[int | None, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        answer = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        self._stats.answered(request.request_id, answer[0])
+        return answer
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -97,6 +107,7 @@ class KvgraftConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int],
                          ) -> tuple[bool, dict[str, Any] | None]:
+        self._stats.forget(request.request_id)
         return self.scheduler.request_finished(request)
 
     # --- worker side ---------------------------------------------------------------------
@@ -130,6 +141,25 @@ class KvgraftConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    # --- vLLM's metrics (kvgraft.integrations.vllm.stats) -------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._stats.collect()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None,
+                                 ) -> KVConnectorStats | None:
+        return KvgraftConnectorStats(data=data) if data else KvgraftConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]],
+                           ) -> KVConnectorPromMetrics | None:
+        return KvgraftPromMetrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.connector_scheduler is not None:
