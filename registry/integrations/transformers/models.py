@@ -20,6 +20,7 @@ import transformers
 from kvgraft import __version__
 from kvgraft.errors import MissingExtra, UsageError
 from kvgraft.identity.fingerprint import Fingerprint, fingerprint, torch_dtype_name
+from kvgraft.integrations.transformers.device import resolve_device
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,20 +121,24 @@ def resolve_model_dir(spec: str | Path, cache_dir: Path, dtype: str | None = Non
 
 
 def load_model(spec: str | Path, *, cache_dir: Path, dtype: str | None = None,
-               device: str = "cpu", attn_implementation: str | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a directory, fingerprinted once (the
-    directory's weights digest comes from the cache unless the files changed)."""
+               device: str | None = None, attn_implementation: str | None = None,
+               ) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a directory onto `device` (cpu, cuda,
+    cuda:N; default the CPU), fingerprinted once (the directory's weights digest comes
+    from the cache unless the files changed)."""
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     # Progress bars on stderr would drown the command line's own output.
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    where = resolve_device(device)  # before the load: a missing GPU is a usage error
     path = resolve_model_dir(spec, cache_dir, dtype)
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype) if dtype else "auto"}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    model = model.to(device).eval()
+    model = model.to(where).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     name = known_name(spec)
     if name is not None:
