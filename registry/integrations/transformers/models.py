@@ -5,7 +5,9 @@ with its fingerprint computed once at load."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
+import inspect
 import os
 import platform
 import shutil
@@ -145,6 +147,23 @@ def load_model(spec: str | Path, *, cache_dir: Path, dtype: str | None = None,
         model.config._name_or_path = name  # recorded in the grafts it captures
     fp = fingerprint(model, tokenizer, weights_dir=path, cache_dir=cache_dir)
     return LoadedModel(model, tokenizer, fp, path)
+
+
+def run(lm: LoadedModel, input_ids: Any, cache: Any) -> Any:
+    """One forward of `input_ids` after what `cache` holds (the cache grows in place).
+
+    transformers 5.20 renamed the forward's `past_key_values` to `cache` (the old name
+    still works there, with a warning); earlier 5.x releases, such as the one GPU images
+    ship, know only `past_key_values`. The cache object is ours either way."""
+    kwargs = {_cache_argument(type(lm.model)): cache}
+    with torch.inference_mode():
+        return lm.model(input_ids=input_ids, use_cache=True, **kwargs)
+
+
+@functools.cache
+def _cache_argument(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def engine_info(model: Any) -> dict[str, Any]:
