@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -49,7 +49,7 @@ def ceilings(device: Any, workers: int, nbytes: int) -> dict[str, Any]:
     import torch
 
     host = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    view = memoryview(host)
+    view = host.data
     step = -(-nbytes // workers)
     parts = [view[i : i + step] for i in range(0, nbytes, step)]
     out: dict[str, Any] = {"bytes": nbytes, "workers": workers}
@@ -58,9 +58,7 @@ def ceilings(device: Any, workers: int, nbytes: int) -> dict[str, Any]:
         def all_cores() -> None:
             list(pool.map(lambda m: hashlib.sha256(m).digest(), parts))
         out["sha256_all_gbps"] = gbps(nbytes, best(all_cores, 3))
-    dst = np.empty_like(host)
-    out["host_memcpy_gbps"] = gbps(nbytes, best(lambda: np.copyto(dst, host), 3))
-    del dst
+    out["host_memcpy_gbps"] = gbps(nbytes, best(_copier(host), 3))
     if torch.device(device).type == "cuda":
         pageable = torch.from_numpy(host)
         pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -71,8 +69,14 @@ def ceilings(device: Any, workers: int, nbytes: int) -> dict[str, Any]:
         out["h2d_pageable_gbps"] = gbps(nbytes, best(lambda: on.copy_(pageable), 3, device))
         out["d2h_pinned_gbps"] = gbps(nbytes, best(lambda: pinned.copy_(on, non_blocking=True),
                                                    5, device))
-        del pinned, on
     return out
+
+
+def _copier(host: Any) -> Callable[[], None]:
+    import numpy as np
+
+    dst = np.empty_like(host)
+    return lambda: np.copyto(dst, host)
 
 
 def stages(registry: Any, lm: Any, ref: str, workers: int, workdir: Path) -> dict[str, Any]:
@@ -80,18 +84,28 @@ def stages(registry: Any, lm: Any, ref: str, workers: int, workdir: Path) -> dic
     them, verifying them (SHA-256), the whole cold read (which also assembles the file and
     keeps it in the machine cache), reading that cached file, the warm read (map + verify
     every tensor), and the copy of the tensors to the model's device."""
-    from kvgraft.codecs.codec import decode_blob, max_stored_size
-    from kvgraft.digest import Digest
-    from kvgraft.integrations.transformers.device import to_device
     from kvgraft.transfer.cache import Cache
-    from kvgraft.transfer.materialise import read_kv
     from kvgraft.transfer.pull import Fetcher
 
     opened = registry.open(ref, model=lm.fingerprint.identity)
-    manifest, store = opened.manifest, opened.fetcher.store
-    blobs = manifest.blobs()
-    size = manifest.file_size
-    out: dict[str, Any] = {"kv_bytes": size, "blobs": len(blobs), "workers": workers}
+    manifest = opened.manifest
+    out: dict[str, Any] = {"kv_bytes": manifest.file_size, "blobs": len(manifest.blobs()),
+                           "workers": workers}
+    out.update(_store_stages(opened.fetcher.store, manifest, workers))
+    cold = Fetcher(opened.fetcher.store, Cache(workdir / "stage-cache"))
+    try:
+        out.update(_cache_stages(cold, manifest, workers, lm.device))
+    finally:
+        shutil.rmtree(cold.cache.root, ignore_errors=True)
+    return out
+
+
+def _store_stages(store: Any, manifest: Any, workers: int) -> dict[str, Any]:
+    from kvgraft.codecs.codec import decode_blob, max_stored_size
+    from kvgraft.digest import Digest
+
+    blobs, size = manifest.blobs(), manifest.file_size
+    out: dict[str, Any] = {}
     with ThreadPoolExecutor(workers) as pool:
         stored, s = timed(lambda: list(pool.map(
             lambda b: store.get(b.digest, max_stored_size(b.size)), blobs)))
@@ -101,31 +115,32 @@ def stages(registry: Any, lm: Any, ref: str, workers: int, workdir: Path) -> dic
         decoded, s = timed(lambda: list(pool.map(
             lambda p: decode_blob(p[0], p[1].size)[1], zip(stored, blobs, strict=True))))
         out["decode_gbps"] = gbps(size, s)
-        del stored
         _, s = timed(lambda: list(pool.map(Digest.of, decoded)))
         out["verify_gbps"] = gbps(size, s)
-        del decoded
-    cold = Fetcher(store, Cache(workdir / "stage-cache"))
-    (layout, buf, base), s = timed(lambda: read_kv(manifest, cold, workers=workers))
+    return out
+
+
+def _cache_stages(fetcher: Any, manifest: Any, workers: int, device: Any) -> dict[str, Any]:
+    from kvgraft.integrations.transformers.device import to_device
+    from kvgraft.transfer.materialise import read_kv
+
+    size = manifest.file_size
+    out: dict[str, Any] = {}
+    _, s = timed(lambda: read_kv(manifest, fetcher, workers=workers))
     out["cold_read_gbps"] = gbps(size, s)
-    del buf
-    with cold.cache.blobs.open(manifest.file_digest) as f:
-        into = bytearray(size + 64)
-        _, s = timed(lambda: f.readinto(into))
-        out["read_machine_cache_gbps"] = gbps(size, s)
-        del into
-    (layout, buf, base), s = timed(lambda: read_kv(manifest, cold, workers=workers))
+    into = bytearray(size + 64)
+    with fetcher.cache.blobs.open(manifest.file_digest) as f:
+        _, s = timed(lambda: cast(Any, f).readinto(into))
+    out["read_machine_cache_gbps"] = gbps(size, s)
+    (layout, buf, base), s = timed(lambda: read_kv(manifest, fetcher, workers=workers))
     out["warm_read_verify_gbps"] = gbps(size, s)
     spans = [(base + t.begin, t.nbytes) for li in layout.layers for t in (li.key, li.value)]
     moved = sum(n for _, n in spans)
     out["copied_bytes"] = moved
-    device = lm.device
     out["copy_pinned_staged_gbps"] = gbps(moved, best(lambda: to_device(buf, spans, device),
                                                       2, device))
     out["copy_pageable_gbps"] = gbps(moved, best(lambda: _pageable(buf, spans, device), 2,
                                                  device))
-    del buf
-    shutil.rmtree(cold.cache.root, ignore_errors=True)
     return out
 
 
@@ -203,10 +218,8 @@ def ttft(registry_at: Callable[[str], Any], lm: Any, ref: str, ids: Sequence[int
               for i in range(reps)]
     warm = cold(registry_at, "ttft-warm",
                 lambda r: [clock("graft_warm", grafted(r)) for _ in range(reps + 1)][1:])
-    out = {"prefix_tokens": len(ids), "suffix_tokens": len(suffix), "reps": reps,
-           "prefill_s": round(statistics.median(pre), 4),
-           "graft_warm_s": round(statistics.median(warm), 4),
-           "graft_cold_s": round(statistics.median(cold_s), 4), "first_tokens": tokens}
-    out["speedup_warm"] = round(out["prefill_s"] / out["graft_warm_s"], 2)
-    out["speedup_cold"] = round(out["prefill_s"] / out["graft_cold_s"], 2)
-    return out
+    p, w, c = (statistics.median(x) for x in (pre, warm, cold_s))
+    return {"prefix_tokens": len(ids), "suffix_tokens": len(suffix), "reps": reps,
+            "prefill_s": round(p, 4), "graft_warm_s": round(w, 4), "graft_cold_s": round(c, 4),
+            "speedup_warm": round(p / w, 2), "speedup_cold": round(p / c, 2),
+            "first_tokens": tokens}

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch", reason="the GPU benchmark needs the [hf] extra (torch)")
 pytest.importorskip("transformers", reason="the GPU benchmark needs the [hf] extra")
 
-from benchmarks import gpu  # noqa: E402
+from benchmarks import gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -76,7 +76,7 @@ def to_device(buf: KVBuffer | Buffer, spans: Sequence[tuple[int, int]], device: 
             stage.copy_(host[begin + off : begin + off + n])
             dst[off : off + n].copy_(stage, non_blocking=pin)
             if pin and device.type == "cuda":
-                landed[slot] = torch.cuda.Event()
+                landed[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 landed[slot].record(torch.cuda.current_stream(device))
         out.append(dst)
     if device.type == "cuda":

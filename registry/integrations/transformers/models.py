@@ -5,7 +5,6 @@ with its fingerprint computed once at load."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import inspect
 import os
@@ -155,15 +154,15 @@ def run(lm: LoadedModel, input_ids: Any, cache: Any) -> Any:
     transformers 5.20 renamed the forward's `past_key_values` to `cache` (the old name
     still works there, with a warning); earlier 5.x releases, such as the one GPU images
     ship, know only `past_key_values`. The cache object is ours either way."""
-    kwargs = {_cache_argument(type(lm.model)): cache}
+    kind = type(lm.model)
+    if kind not in _CACHE_ARGUMENT:
+        params = inspect.signature(lm.model.forward).parameters
+        _CACHE_ARGUMENT[kind] = "cache" if "cache" in params else "past_key_values"
     with torch.inference_mode():
-        return lm.model(input_ids=input_ids, use_cache=True, **kwargs)
+        return lm.model(input_ids=input_ids, use_cache=True, **{_CACHE_ARGUMENT[kind]: cache})
 
 
-@functools.cache
-def _cache_argument(cls: type) -> str:
-    params = inspect.signature(cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+_CACHE_ARGUMENT: dict[type, str] = {}  # once per model class, not once per forward
 
 
 def engine_info(model: Any) -> dict[str, Any]:
