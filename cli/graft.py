@@ -41,6 +41,17 @@ def model_options(fn: F) -> F:
     return fn
 
 
+def device_option(fn: F) -> F:
+    return click.option("--device", metavar="cpu|cuda|cuda:N", default=None,
+                        help="Run the model on this device (default: the CPU); a graft is "
+                             "verified on the host, then copied there.")(fn)
+
+
+def _no_device(device: str | None, what: str) -> None:
+    if device is not None:
+        raise UsageError(f"--device applies to model directories run on transformers, not {what}")
+
+
 def text_options(fn: F) -> F:
     fn = click.option("--text-file", type=click.Path(path_type=Path, dir_okay=False,
                                                      exists=True), help="Read the text here.")(fn)
@@ -54,11 +65,13 @@ def _text(text: str | None, text_file: Path | None) -> str:
     return text if text is not None else text_file.read_text(encoding="utf-8")  # type: ignore[union-attr]
 
 
-def _load(reg: Registry, spec: str, dtype: str | None, threads: int | None) -> Any:
+def _load(reg: Registry, spec: str, dtype: str | None, threads: int | None,
+          device: str | None = None) -> Any:
     from kvgraft.integrations.transformers import load_model, set_threads
 
     set_threads(threads)
-    return load_model(spec, cache_dir=reg.config.cache_dir, dtype=dtype.upper() if dtype else None)
+    return load_model(spec, cache_dir=reg.config.cache_dir, dtype=dtype.upper() if dtype else None,
+                      device=device)
 
 
 def _fingerprint_dir(reg: Registry, spec: str, dtype: str | None) -> Any:
@@ -107,12 +120,13 @@ def fingerprint_cmd(ctx: click.Context, model_spec: str, dtype: str | None, thre
               help="Keep the KV file here (default: a temporary file, removed after push).")
 @click.option("--chunk-tokens", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE")
+@device_option
 @json_option
 @click.pass_context
 def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
                 threads: int | None, text: str | None, text_file: Path | None,
                 chat_file: Path | None, output: Path | None, chunk_tokens: int,
-                labels: tuple[str, ...], as_json: bool) -> None:
+                labels: tuple[str, ...], device: str | None, as_json: bool) -> None:
     """Run the prefill of a text on a model and push its KV cache as REF."""
     import tempfile
 
@@ -120,6 +134,7 @@ def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None
     from kvgraft.transfer.push import PushOptions
 
     if llamacpp.is_gguf(model_spec):
+        _no_device(device, "a GGUF file")
         if chat_file is not None:
             raise UsageError("--chat-file is for model directories; give --text or --text-file")
         llamacpp.capture(ctx, ref, model_spec, dtype, threads, _text(text, text_file), output,
@@ -127,7 +142,7 @@ def capture_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None
         return
     reg = current_registry(ctx)
     reference = Reference.parse(ref)
-    lm = _load(reg, model_spec, dtype, threads)
+    lm = _load(reg, model_spec, dtype, threads, device)
     if chat_file is not None:
         if text is not None or text_file is not None:
             raise UsageError("give one of --text, --text-file, --chat-file")
@@ -192,14 +207,16 @@ def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
 @click.option("--force-incompatible", is_flag=True,
               help="UNSAFE, for experiments: load a graft made for another model (audited).")
 @policy_options
+@device_option
 @json_option
 @click.pass_context
 def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               threads: int | None, text: str | None, text_file: Path | None,
               max_new_tokens: int, force_incompatible: bool, signed_by: tuple[str, ...],
-              require_verified: bool, as_json: bool) -> None:
+              require_verified: bool, device: str | None, as_json: bool) -> None:
     """Generate from a prompt with the graft REF restored instead of its prefill."""
     if llamacpp.is_gguf(model_spec):
+        _no_device(device, "a GGUF file")
         llamacpp.graft(ctx, ref, model_spec, dtype, threads, _text(text, text_file),
                        max_new_tokens, force_incompatible, signed_by, require_verified, as_json)
         return
@@ -207,7 +224,7 @@ def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
 
     reg = current_registry(ctx)
     prompt = _text(text, text_file)
-    lm = _load(reg, model_spec, dtype, threads)
+    lm = _load(reg, model_spec, dtype, threads, device)
     if force_incompatible:
         err("WARNING: --force-incompatible: a graft from another model gives wrong output "
             "silently; this use is recorded in the audit log")
@@ -239,12 +256,13 @@ def graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
               help="vllm: measure a graft made by another engine (argmax agreement and KL; "
                    "never byte-exact).")
 @signed_by_option
+@device_option
 @json_option
 @click.pass_context
 def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
                      threads: int | None, suffix_text: str | None, steps: int, recompute: bool,
                      engine: str, allow_cross_engine: bool, signed_by: tuple[str, ...],
-                     as_json: bool) -> None:
+                     device: str | None, as_json: bool) -> None:
     """Check that REF grafted gives logits byte-identical to the fresh two-step computation
     (exit 4 when not); a pass is stored as an attestation on the artifact. A graft the
     signing policy refuses is not loaded (exit 4); require_verified does not apply here,
@@ -254,6 +272,7 @@ def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str |
     from kvgraft.errors import IntegrityError
 
     if llamacpp.is_gguf(model_spec):
+        _no_device(device, "a GGUF file")
         if engine == "vllm" or allow_cross_engine:
             raise UsageError("a GGUF model is verified on llama.cpp (--engine and "
                              "--allow-cross-engine apply to model directories)")
@@ -261,6 +280,7 @@ def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str |
                         signed_by, as_json)
         return
     if engine == "vllm":
+        _no_device(device, "--engine vllm")
         if recompute or threads is not None:
             raise UsageError("--recompute and --threads apply to --engine transformers only")
         _verify_vllm(ctx, ref, model_spec, dtype, suffix_text, steps, allow_cross_engine,
@@ -271,7 +291,7 @@ def verify_graft_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str |
     from kvgraft.integrations.transformers import verify_graft
 
     reg = current_registry(ctx)
-    lm = _load(reg, model_spec, dtype, threads)
+    lm = _load(reg, model_spec, dtype, threads, device)
     report = verify_graft(reg, lm, Reference.parse(ref), suffix=suffix_text, steps=steps,
                           recompute=recompute, require_signed_by=signed_by)
     if as_json:

@@ -38,6 +38,16 @@ def config(kind: str, **overrides: Any) -> Any:
         from transformers import LlamaConfig
 
         return LlamaConfig(**{**common, "num_hidden_layers": 2, **overrides})
+    if kind == "llama3-8b-attention":
+        # Llama-3-8B's attention and KV shape (its KV is 128 KiB a token in bf16) with a
+        # small MLP and vocabulary: what a graft restores is full size, the weights are not.
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**{**common, "hidden_size": 4096, "intermediate_size": 1024,
+                              "num_hidden_layers": 32, "num_attention_heads": 32,
+                              "num_key_value_heads": 8, "head_dim": 128,
+                              "max_position_embeddings": 65536, "rope_theta": 500000.0,
+                              "tie_word_embeddings": False, **overrides})
     if kind == "gemma2":
         from transformers import Gemma2Config
 
@@ -55,14 +65,17 @@ def config(kind: str, **overrides: Any) -> Any:
 
 
 def build(path: Path, kind: str, *, dtype: str = "F32", seed: int = 0, rotate: int = 0,
-          **overrides: Any) -> Path:
-    """Write a random-init model directory (same kind, seed and overrides: same weights)."""
+          device: str = "cpu", **overrides: Any) -> Path:
+    """Write a random-init model directory (same kind, seed and overrides: same weights on
+    one device; `device` is where the weights are drawn, which is fast on a GPU for the
+    large kinds, and other devices draw other numbers)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     cfg = config(kind, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]  # unannotated
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
     model = model.to({"F32": torch.float32, "BF16": torch.bfloat16}[dtype]).eval()
     model.save_pretrained(path)
     byte_tokenizer(rotate=rotate).save_pretrained(path)

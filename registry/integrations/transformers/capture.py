@@ -25,7 +25,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import UsageError
 from kvgraft.formats.kvfile import RawTensor, write_kvfile
 from kvgraft.identity.fingerprint import torch_dtype_name
-from kvgraft.integrations.transformers.models import LoadedModel, engine_info
+from kvgraft.integrations.transformers.models import LoadedModel, engine_info, run
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +65,8 @@ def prefill(lm: LoadedModel, token_ids: Sequence[int], *, record_past: bool = Fa
         for layer in layers:
             if isinstance(layer, DynamicSlidingWindowLayer):
                 layer.activate_past_recording()  # type: ignore[no-untyped-call]
-    with torch.inference_mode():
-        out = lm.model(input_ids=ids, cache=cache, use_cache=True)
-    return out.cache, out.logits[0, -1]
+    out = run(lm, ids, cache)
+    return cache, out.logits[0, -1]
 
 
 def cache_tensors(cache: Any, n: int) -> list[tuple[Any, Any, int]]:

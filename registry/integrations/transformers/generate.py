@@ -16,7 +16,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import UsageError
 from kvgraft.integrations.transformers.capture import tokenize
 from kvgraft.integrations.transformers.loader import Graft, common_prefix, load_graft
-from kvgraft.integrations.transformers.models import LoadedModel
+from kvgraft.integrations.transformers.models import LoadedModel, run
 from kvgraft.reference import Reference
 
 
@@ -31,8 +31,7 @@ class Step:
 def forward(lm: LoadedModel, cache: Any, ids: Sequence[int]) -> Any:
     """Logits [len(ids), vocab] of feeding `ids` after what `cache` holds (cache grows)."""
     x = torch.tensor([list(ids)], dtype=torch.long, device=lm.device)
-    with torch.inference_mode():
-        return lm.model(input_ids=x, cache=cache, use_cache=True).logits[0]
+    return run(lm, x, cache).logits[0]
 
 
 def greedy(lm: LoadedModel, cache: Any, feed: Sequence[int], steps: int, *,

@@ -26,6 +26,7 @@ from kvgraft.formats.kvfile import KVLayout, TensorInfo
 from kvgraft.formats.manifest import Manifest
 from kvgraft.identity.compat import CompatReport, compare
 from kvgraft.identity.fingerprint import torch_dtype_name
+from kvgraft.integrations.transformers.device import to_device
 from kvgraft.integrations.transformers.models import LoadedModel
 from kvgraft.reference import Reference
 from kvgraft.transfer.materialise import KVBuffer, read_kv
@@ -118,11 +119,16 @@ def _check_structure(layout: KVLayout, lm: LoadedModel, what: str) -> None:
                                     f"{layer.key.shape[2]} dims], the model needs [{heads}, {dim}]")
 
 
-def _tensor(buf: KVBuffer, base: int, t: TensorInfo, device: Any) -> Any:
-    count = t.nbytes // t.itemsize
-    flat = torch.frombuffer(buf, dtype=_TORCH_DTYPES[t.dtype], count=count,
-                            offset=base + t.begin)
-    return flat.view(1, *t.shape).to(device)
+def _tensors(buf: KVBuffer, base: int, tensors: Sequence[TensorInfo], device: Any,
+             ) -> list[Any]:
+    """The tensors [1, *shape] on `device`. On the CPU they are views of the verified
+    buffer (no copy); elsewhere copies made through pinned staging buffers (device.py)."""
+    if torch.device(device).type == "cpu":
+        return [torch.frombuffer(buf, dtype=_TORCH_DTYPES[t.dtype], count=t.nbytes // t.itemsize,
+                                 offset=base + t.begin).view(1, *t.shape) for t in tensors]
+    flats = to_device(buf, [(base + t.begin, t.nbytes) for t in tensors], device)
+    return [f.view(_TORCH_DTYPES[t.dtype]).view(1, *t.shape)
+            for f, t in zip(flats, tensors, strict=True)]
 
 
 def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
@@ -156,9 +162,10 @@ def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
     _check_structure(layout, lm, what)
     if not registry.config.offline and reference.tag is not None:
         registry.cache.put_ref(reference, digest)
-    layers = tuple(GraftLayer(_tensor(buf, base, li.key, lm.device),
-                              _tensor(buf, base, li.value, lm.device), li.start)
-                   for li in layout.layers)
+    flat = _tensors(buf, base, [t for li in layout.layers for t in (li.key, li.value)],
+                    lm.device)
+    layers = tuple(GraftLayer(flat[2 * i], flat[2 * i + 1], li.start)
+                   for i, li in enumerate(layout.layers))
     tokens = tuple(torch.frombuffer(buf, dtype=torch.int64, count=layout.token_count,
                                     offset=base + layout.token_ids.begin).tolist())
     return Graft(reference, digest, manifest, tokens, layers, report, lm.model.config)

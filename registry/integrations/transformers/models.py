@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import os
 import platform
 import shutil
@@ -20,6 +21,7 @@ import transformers
 from kvgraft import __version__
 from kvgraft.errors import MissingExtra, UsageError
 from kvgraft.identity.fingerprint import Fingerprint, fingerprint, torch_dtype_name
+from kvgraft.integrations.transformers.device import resolve_device
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,26 +122,47 @@ def resolve_model_dir(spec: str | Path, cache_dir: Path, dtype: str | None = Non
 
 
 def load_model(spec: str | Path, *, cache_dir: Path, dtype: str | None = None,
-               device: str = "cpu", attn_implementation: str | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a directory, fingerprinted once (the
-    directory's weights digest comes from the cache unless the files changed)."""
+               device: str | None = None, attn_implementation: str | None = None,
+               ) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a directory onto `device` (cpu, cuda,
+    cuda:N; default the CPU), fingerprinted once (the directory's weights digest comes
+    from the cache unless the files changed)."""
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     # Progress bars on stderr would drown the command line's own output.
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    where = resolve_device(device)  # before the load: a missing GPU is a usage error
     path = resolve_model_dir(spec, cache_dir, dtype)
     kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype) if dtype else "auto"}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model: Any = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    model = model.to(device).eval()
+    model = model.to(where).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     name = known_name(spec)
     if name is not None:
         model.config._name_or_path = name  # recorded in the grafts it captures
     fp = fingerprint(model, tokenizer, weights_dir=path, cache_dir=cache_dir)
     return LoadedModel(model, tokenizer, fp, path)
+
+
+def run(lm: LoadedModel, input_ids: Any, cache: Any) -> Any:
+    """One forward of `input_ids` after what `cache` holds (the cache grows in place).
+
+    transformers 5.20 renamed the forward's `past_key_values` to `cache` (the old name
+    still works there, with a warning); earlier 5.x releases, such as the one GPU images
+    ship, know only `past_key_values`. The cache object is ours either way."""
+    kind = type(lm.model)
+    if kind not in _CACHE_ARGUMENT:
+        params = inspect.signature(lm.model.forward).parameters
+        _CACHE_ARGUMENT[kind] = "cache" if "cache" in params else "past_key_values"
+    with torch.inference_mode():
+        return lm.model(input_ids=input_ids, use_cache=True, **{_CACHE_ARGUMENT[kind]: cache})
+
+
+_CACHE_ARGUMENT: dict[type, str] = {}  # once per model class, not once per forward
 
 
 def engine_info(model: Any) -> dict[str, Any]:
