@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test lint typecheck pytest demo demo-vllm bench wheel clean system-packages
+.PHONY: venv test lint typecheck pytest demo demo-vllm demo-llamacpp bench wheel clean system-packages
 
 # Debian packages of the real services some tests and benchmarks run: Ceph RGW (a second S3
 # server), Chromium and its driver, skopeo and CNCF Distribution (an OCI registry).
@@ -68,6 +68,9 @@ demo: venv
 demo-vllm: venv
 	$(BIN)/python -m scripts.demo_vllm
 
+demo-llamacpp: venv
+	$(BIN)/python -m scripts.demo_llamacpp
+
 bench: venv
 	$(BIN)/python -m benchmarks.run
 
@@ -75,4 +78,4 @@ wheel: venv
 	$(BIN)/pip wheel -q --no-deps -w dist .
 
 clean:
-	rm -rf $(VENV) dist build .bench .demo .demo-graft .demo-vllm .services
+	rm -rf $(VENV) dist build .bench .demo .demo-graft .demo-vllm .demo-llamacpp .services

@@ -2,7 +2,7 @@
 
 Rows are printed as they come and written to .bench/results.json.
     python -m benchmarks.run [--size-mib 1024]
-        [--only startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes]
+        [--only startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,llamacpp]
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
     parser.add_argument("--only",
-                        default="startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes")
+                        default="startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,"
+                                "llamacpp")
     args = parser.parse_args()
     wanted = set(args.only.split(","))
     rows: list[dict[str, Any]] = []
@@ -68,6 +69,10 @@ def main() -> None:
         from benchmarks import vllm_passes
 
         vllm_passes.run(report, WORKDIR)
+    if "llamacpp" in wanted:
+        from benchmarks import llamacpp
+
+        llamacpp.run(report, WORKDIR)
     result = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"cpus": __import__("os").cpu_count(),
                           "python": platform.python_version()},

@@ -22,7 +22,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import IncompatibleModel, UsageError
 from kvgraft.formats.kvfile import KVLayout, RawTensor, write_kvfile
 from kvgraft.formats.manifest import Manifest
-from kvgraft.identity.compat import CompatReport, compare
+from kvgraft.identity.compat import CompatReport
 from kvgraft.identity.fingerprint import Fingerprint
 from kvgraft.integrations.llamacpp.engine import (
     LlamaModel,
@@ -41,6 +41,7 @@ from kvgraft.integrations.llamacpp.state import (
     strip_api_header,
 )
 from kvgraft.reference import Reference
+from kvgraft.services.compat import admit
 from kvgraft.transfer.materialise import KVBuffer, read_kv
 
 log = logging.getLogger(__name__)
@@ -185,17 +186,8 @@ def load_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
                            require_verified=require_verified, model=lm.identity,
                            for_verification=for_verification, action="load")
     what = f"graft {reference}"
-    report = compare(opened.manifest.model, opened.manifest.model_config, lm.fingerprint)
-    if not report.ok:
-        if not force_incompatible:
-            raise report.error(what)
-        log.warning("FORCED: loading %s into an incompatible model: %s", reference,
-                    "; ".join(m.human() for m in report.mismatches))
-        registry.events.record(
-            "force-incompatible", repository=reference.name, tag=reference.tag,
-            digest=opened.digest, outcome="forced",
-            detail={"model": lm.identity.to_json(),
-                    "mismatches": [m.to_json() for m in report.mismatches]})
+    report = admit(registry.events, reference, opened.digest, opened.manifest, lm.fingerprint,
+                   force_incompatible=force_incompatible, log=log)
     layout, buf, base = read_kv(opened.manifest, opened.fetcher)
     _check_structure(layout, lm, what)
     if not registry.config.offline and reference.tag is not None:

@@ -24,11 +24,12 @@ from kvgraft.digest import Digest
 from kvgraft.errors import IncompatibleModel
 from kvgraft.formats.kvfile import KVLayout, TensorInfo
 from kvgraft.formats.manifest import Manifest
-from kvgraft.identity.compat import CompatReport, compare
+from kvgraft.identity.compat import CompatReport
 from kvgraft.identity.fingerprint import torch_dtype_name
 from kvgraft.integrations.transformers.device import to_device
 from kvgraft.integrations.transformers.models import LoadedModel
 from kvgraft.reference import Reference
+from kvgraft.services.compat import admit
 from kvgraft.transfer.materialise import KVBuffer, read_kv
 
 log = logging.getLogger(__name__)
@@ -147,17 +148,8 @@ def load_graft(ref: Reference | str, lm: LoadedModel, *, registry: Registry,
                            for_verification=for_verification, action="load")
     digest, manifest = opened.digest, opened.manifest
     what = f"graft {reference}"
-    report = compare(manifest.model, manifest.model_config, lm.fingerprint)
-    if not report.ok:
-        if not force_incompatible:
-            raise report.error(what)
-        log.warning("FORCED: loading %s into an incompatible model: %s", reference,
-                    "; ".join(m.human() for m in report.mismatches))
-        registry.events.record(
-            "force-incompatible", repository=reference.name, tag=reference.tag,
-            digest=digest, outcome="forced",
-            detail={"model": lm.fingerprint.identity.to_json(),
-                    "mismatches": [m.to_json() for m in report.mismatches]})
+    report = admit(registry.events, reference, digest, manifest, lm.fingerprint,
+                   force_incompatible=force_incompatible, log=log)
     layout, buf, base = read_kv(manifest, opened.fetcher, workers=workers)
     _check_structure(layout, lm, what)
     if not registry.config.offline and reference.tag is not None:

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvgraft.client import Registry
 from kvgraft.errors import IntegrityError, RegistryError
-from kvgraft.integrations.vllm.background import Background, Counters
+from kvgraft.integrations.background import Background, Counters
 from kvgraft.integrations.vllm.identity import EngineIdentity, engine_identity
 from kvgraft.integrations.vllm.store import (
     RestorePlan,
@@ -93,7 +93,7 @@ class Context:
         except Exception as e:  # never stop the engine: serve without the registry
             self.disable("connector disabled, every request computes its prefill", e)
         self.bg = Background(f"kvgraft-{side}", max(1, self.settings.queue_size),
-                             self.counters)
+                             self.counters, log)
         if self.ident is not None:
             log.info("kvgraft: %s side ready for %s (identity %s, chunks of %d tokens, "
                      "restore=%s publish=%s)", side, self.ident.name,

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvgraft.client import Registry
-from kvgraft.integrations.vllm.background import Counters
+from kvgraft.integrations.background import Counters
 from kvgraft.integrations.vllm.common import Context, KvgraftMetadata
 from kvgraft.integrations.vllm.identity import EngineIdentity
 from kvgraft.integrations.vllm.scheduler import KvgraftConnectorScheduler

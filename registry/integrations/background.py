@@ -1,4 +1,5 @@
-"""A bounded queue of jobs run by one daemon thread, off vLLM's request path.
+"""A bounded queue of jobs run by one daemon thread, off an engine's request path (the vLLM
+connector, the llama.cpp prompt cache).
 
 Publishing a graft (encoding, hashing, uploading, one catalog transaction) and writing audit
 events never run on a scheduling or forward step: they are queued here. When the queue is
@@ -13,8 +14,6 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Callable
-
-log = logging.getLogger("vllm.kvgraft")
 
 
 class Counters:
@@ -49,7 +48,9 @@ class Counters:
 
 
 class Background:
-    def __init__(self, name: str, size: int, counters: Counters) -> None:
+    def __init__(self, name: str, size: int, counters: Counters,
+                 logger: logging.Logger | None = None) -> None:
+        self._log = logger or logging.getLogger("kvgraft.integrations")
         self._q: queue.Queue[tuple[str, Callable[[], None]] | None] = queue.Queue(size)
         self._counters = counters
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -60,7 +61,8 @@ class Background:
             self._q.put_nowait((kind, job))
         except queue.Full:
             self._counters.add(f"dropped.{kind}")
-            log.warning("kvgraft: %s queue full, dropped one %s job", self._thread.name, kind)
+            self._log.warning("kvgraft: %s queue full, dropped one %s job", self._thread.name,
+                              kind)
             return False
         self._counters.add(f"queued.{kind}")
         return True
@@ -76,7 +78,7 @@ class Background:
                     job()
                 except Exception as e:  # a failed job must not stop the ones behind it
                     self._counters.add(f"failed.{kind}")
-                    log.warning("kvgraft: %s job failed: %s", kind, e)
+                    self._log.warning("kvgraft: %s job failed: %s", kind, e)
             finally:
                 self._q.task_done()
 
