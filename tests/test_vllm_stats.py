@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorLogging,
 )
 
-from kvgraft.integrations.vllm.background import Background, Counters
+from kvgraft.integrations.background import Background, Counters
 from kvgraft.integrations.vllm.connector import KvgraftConnector
 from kvgraft.integrations.vllm.stats import KvgraftConnectorStats, StatsSource
 

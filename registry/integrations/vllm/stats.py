@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvgraft.integrations.vllm.background import Counters
+from kvgraft.integrations.background import Counters
 
 COUNTERS = "counters"
 SAMPLES = "samples"
