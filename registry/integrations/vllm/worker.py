@@ -199,9 +199,10 @@ class KvgraftConnectorWorker:
     def wait_for_save(self, meta: KvgraftMetadata) -> None:
         if not meta.saves:
             return
-        registry, ident = self.ctx.registry, self.ctx.ident
+        registry = self.ctx.registry
         for spec in meta.saves:
             layers = self._saving.pop(spec.req_id, [])
+            ident = self.ctx.keyed(spec.key)
             if registry is None or ident is None or len(layers) != ident.layers:
                 continue
             self.ctx.bg.submit("publish", self._publisher(registry, ident, spec, layers))
