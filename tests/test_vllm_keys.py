@@ -254,3 +254,45 @@ def test_unservable_layouts_disable_both_sides_at_construction(
         for s in sides:
             s.shutdown()
 
+
+def _without_tokenizer(model: Path) -> Path:
+    from kvgraft.identity.fingerprint import TOKENIZER_FILES
+
+    for name in TOKENIZER_FILES:
+        (model / name).unlink(missing_ok=True)
+    return model
+
+
+def test_a_model_without_tokenizer_files_has_the_no_tokenizer_identity(tmp_path: Path) -> None:
+    from kvgraft.identity.fingerprint import NO_TOKENIZER, fingerprint_dir
+
+    with_files = fingerprint_dir(_model(tmp_path / "a", 0))
+    without = fingerprint_dir(_without_tokenizer(_model(tmp_path / "b", 0)))
+    assert without.identity.tokenizer == NO_TOKENIZER != with_files.identity.tokenizer
+    assert without.identity.weights == with_files.identity.weights
+
+
+@pytest.mark.slow
+def test_no_tokenizer_model_publishes_whole_blocks_and_restores_them(tmp_path: Path) -> None:
+    """A model directory without tokenizer files, served token ids only (skip_tokenizer_init,
+    as every node here). Node A publishes P (300 tokens: 2 whole blocks) and a 640-token
+    prompt (5 whole blocks: chunks of 256, 256 and 128), then computes a prompt extending
+    it (640 tokens from its own prefix cache: the two-step reference). Node B restores all
+    640 tokens of that prompt, exactly."""
+    Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}", auto_upgrade=True).close()
+    model = _without_tokenizer(_model(tmp_path / "m", 0))
+    long = _prompt(14) + _prompt(15) + _prompt(16)[:40]
+    extended = long + _prompt(17)[:60]
+    assert len(long) == 640
+    a = run_node(model, _env(tmp_path, "a"), [P, P, long, extended])
+    b = run_node(model, _env(tmp_path, "b"), [P, extended], prefix_caching=False)
+    assert [r["cached"] for r in a] == [0, 256, 0, 640]
+    assert b[0]["cached"] == 256 and b[1]["cached"] == 640
+    for got, ref in ((b[0], a[1]), (b[1], a[3])):
+        assert got["tokens"] == ref["tokens"] and got["logprobs"] == ref["logprobs"]
+    reg = _registry(tmp_path)
+    try:
+        counts = sorted(reg.manifest(t.digest).token_count for t in reg.list(REPO))
+    finally:
+        reg.close()
+    assert counts == [256, 640]  # whole blocks; B published nothing new

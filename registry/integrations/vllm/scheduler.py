@@ -75,7 +75,7 @@ class _Recent:
 
 @dataclass
 class _Pending:
-    token_ids: list[int]  # the prefix to publish (whole chunks)
+    token_ids: list[int]  # the prefix to publish (whole blocks)
     block_ids: list[int]
     key: RequestKey
 
@@ -196,15 +196,14 @@ class KvgraftConnectorScheduler:
             # vLLM's own prefix cache holds all a graft could give and this engine computed
             # (so published) it: no lookup, the request is not kept waiting for one
             return None
-        if len(ids) <= ctx.block and len(ids) < ctx.chunk:
-            return None  # nothing to restore (a block and a token) nor to publish (a chunk)
+        if len(ids) < ctx.block:
+            return None  # nothing to restore (a block and a token) nor to publish (a block)
         return ids
 
     def _wanted(self, n: int) -> int:
         """Prompt tokens a lookup can be useful for: the most a restore can give (whole
-        blocks, one token left to compute) and the full chunks a publish would store."""
-        block, chunk = self.ctx.block, self.ctx.chunk
-        return max((n - 1) // block * block, n // chunk * chunk)
+        blocks, one token left to compute) and the whole blocks a publish would store."""
+        return n // self.ctx.block * self.ctx.block
 
     def _find(self, rid: str, ids: list[int], local: int, lora: Any,
               salt: str | None) -> Answer:
@@ -282,9 +281,10 @@ class KvgraftConnectorScheduler:
         return meta
 
     def _hold_for_publish(self, rid: str, ids: list[int], blocks: list[int]) -> None:
-        """Keep a new request's whole chunks the registry lacks, to publish once computed."""
+        """Keep a new request's whole blocks the registry lacks, to publish once computed
+        (the last chunk of the graft is partial unless the chunk size divides them)."""
         ctx = self.ctx
-        n = len(ids) // ctx.chunk * ctx.chunk
+        n = len(ids) // ctx.block * ctx.block
         key = self._keys.get(rid)
         if (ctx.publish and ctx.enabled and n > 0 and n > self._covered.get(rid, n)
                 and key is not None and len(ids) >= ctx.settings.min_tokens):

@@ -2,8 +2,8 @@
 blocks vLLM allocated, and publishes the prompts the engine computed.
 
 A restore reads each chunk back from memory or the machine cache (verified again on read)
-and writes it into vLLM's paged blocks before the forward starts. Publishing (full chunks
-only) copies the computed blocks out during the forward and stores them from a background
+and writes it into vLLM's paged blocks before the forward starts. Publishing (whole blocks)
+copies the computed blocks out during the forward and stores them from a background
 thread, off the request path.
 """
 
