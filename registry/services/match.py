@@ -74,6 +74,14 @@ def _references(registry: Opener, c: Candidate) -> tuple[str, ...]:
     return tuple(f"{t.repository}:{t.tag}" for t in tags)
 
 
+def _repositories(registry: Opener, c: Candidate) -> tuple[str, ...]:
+    """The repositories an artifact was pushed into (tagged there or not: a tag moved to
+    another artifact leaves it in the repository)."""
+    if c.references is not None:  # a server's answer: what the token may see
+        return tuple(r.rsplit(":", 1)[0] for r in c.references)
+    return registry.backends.catalog.artifact(c.digest).repositories
+
+
 def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *,
           max_candidates: int = MAX_CANDIDATES, require_signed_by: Sequence[str] = (),
           require_verified: bool = False,
@@ -85,8 +93,8 @@ def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *
     `Registry.open`, `require_signed_by` and `require_verified` adding to the policy of
     config.toml); when every artifact holding a prefix is refused, the refusal is raised
     (PolicyRefused, exit 4) rather than answering nothing. With `repositories`, only
-    artifacts tagged in a repository it accepts are candidates (the others are never
-    opened), and the match's references are those in scope."""
+    artifacts pushed into a repository it accepts are candidates (the others are never
+    opened)."""
     from kvgraft.provenance import PolicyRefused
 
     ids = [int(t) for t in token_ids]
@@ -95,12 +103,9 @@ def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *
     best: tuple[PrefixMatch, Candidate] | None = None
     refused: PolicyRefused | None = None
     for c in registry.backends.prefix_index().candidates(identity, ids, max_candidates):
-        if repositories is not None:
-            refs = tuple(r for r in _references(registry, c)
-                         if repositories(r.rsplit(":", 1)[0]))
-            if not refs:
-                continue
-            c = dataclasses.replace(c, references=refs)
+        if repositories is not None and not any(
+                repositories(r) for r in _repositories(registry, c)):
+            continue
         try:
             opened = registry.open(c.digest, require_signed_by=require_signed_by,
                                    require_verified=require_verified, model=identity,
