@@ -38,20 +38,23 @@ from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.errors import UsageError
 from tests.support.vllm_cluster import (
+    BLOCK,
     NODE_TIMEOUT,
     Q1,
     Q2,
     Q3,
     REPO,
     ROOT,
+    answer,
     inspector,
     node_env,
     node_model,
     published,
     run_node,
+    scheduler_side,
+    vllm_request,
 )
 
-BLOCK = 128  # vLLM's CPU block size
 LOOKUP_TIMEOUT = 3.0  # seconds node D waits for its bucket before computing
 READ_TIMEOUT = 8  # seconds node D's S3 client waits for a reply
 
@@ -374,43 +377,6 @@ def test_settings_refuse_unknown_keys_and_align_chunks(tmp_path: Path,
     assert aligned_chunk_tokens(64, 128) == 128
 
 
-def _scheduler_side(model: Path, extra: dict[str, Any]) -> Any:
-    """vLLM's scheduler-side connector for `model`, built from a real VllmConfig without
-    starting an engine (what vLLM's scheduler constructs)."""
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from kvgraft.integrations.vllm import KvgraftConnector
-
-    config = VllmConfig(
-        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16",
-                                 max_model_len=1024, enforce_eager=True),
-        cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvgraftConnector", kv_role="kv_both",
-            kv_connector_module_path="kvgraft.integrations.vllm",
-            kv_connector_extra_config={"repository": REPO, **extra}))
-    return KvgraftConnector(config, KVConnectorRole.SCHEDULER)
-
-
-def _request(rid: str, ids: list[int]) -> Any:
-    from vllm import SamplingParams
-    from vllm.v1.request import Request
-
-    return Request(rid, ids, SamplingParams(max_tokens=1), None)
-
-
-def _answer(conn: Any, request: Any, limit: float = 30.0) -> tuple[int | None, float]:
-    """Poll as vLLM's scheduler does (once a step) until the connector answers."""
-    t0 = time.monotonic()
-    while True:
-        n, load_async = conn.get_num_new_matched_tokens(request, 0)
-        assert load_async is False
-        if n is not None or time.monotonic() - t0 > limit:
-            return n, time.monotonic() - t0
-        time.sleep(0.001)
-
-
 def test_scheduler_answers_off_its_thread_remembers_and_forgets(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Engine-free: the lookup answers 'not yet' first, a repeated prefix is answered from
@@ -433,7 +399,7 @@ def test_scheduler_answers_off_its_thread_remembers_and_forgets(
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    conn = _scheduler_side(model, {"home": str(tmp_path / "a"), "catalog_url": catalog,
+    conn = scheduler_side(model, {"home": str(tmp_path / "a"), "catalog_url": catalog,
                                    "blob_url": blobs, "cache_dir": str(tmp_path / "a-cache")})
     try:
         assert conn.enabled
@@ -442,18 +408,18 @@ def test_scheduler_answers_off_its_thread_remembers_and_forgets(
                    torch.randn(ident.kv_heads, 256, ident.head_dim).bfloat16())
                   for _ in range(ident.layers)]
         digest = publish(conn.registry, ident, REPO, 256, Q1[:256], layers)
-        assert conn.get_num_new_matched_tokens(_request("r1", Q1), 0) == (None, False)
-        assert _answer(conn, _request("r1", Q1))[0] == 256
-        assert _answer(conn, _request("r2", Q1))[0] == 256
+        assert conn.get_num_new_matched_tokens(vllm_request("r1", Q1), 0) == (None, False)
+        assert answer(conn, vllm_request("r1", Q1))[0] == 256
+        assert answer(conn, vllm_request("r2", Q1))[0] == 256
         assert sum("a recent graft: no catalog query" in ln for ln in lines) == 1
         # the chunk leaves the machine cache and the store: the remembered graft fails
         chunk = conn.registry.manifest(digest).chunks[0].digest
         for path in (tmp_path / "a-cache").rglob(chunk.hex[2:] + "*"):
             path.unlink()
         (tmp_path / "blobs" / "sha256" / chunk.hex[:2] / chunk.hex[2:]).unlink()
-        assert _answer(conn, _request("r3", Q1))[0] == 0
+        assert answer(conn, vllm_request("r3", Q1))[0] == 0
         assert not conn.connector_scheduler.recent  # forgotten: the next request asks the catalog
-        assert _answer(conn, _request("r4", Q1))[0] == 0
+        assert answer(conn, vllm_request("r4", Q1))[0] == 0
         assert sum("a recent graft: no catalog query" in ln for ln in lines) == 1
     finally:
         conn.shutdown()
@@ -462,23 +428,23 @@ def test_scheduler_answers_off_its_thread_remembers_and_forgets(
         hole.bind(("127.0.0.1", 0))
         hole.listen(8)
         monkeypatch.setenv("KVGRAFT_S3_ENDPOINT_URL", f"http://127.0.0.1:{hole.getsockname()[1]}")
-        monkeypatch.setenv("KVGRAFT_S3_READ_TIMEOUT", "5")
+        monkeypatch.setenv("KVGRAFT_S3_READ_TIMEOUT", "10")
         monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
         for name, value in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
                             ("AWS_DEFAULT_REGION", "us-east-1")):
             monkeypatch.setenv(name, value)
-        slow = _scheduler_side(model, {"home": str(tmp_path / "b"), "catalog_url": catalog,
+        slow = scheduler_side(model, {"home": str(tmp_path / "b"), "catalog_url": catalog,
                                        "blob_url": "s3://kvgraft-test/none",
                                        "cache_dir": str(tmp_path / "b-cache"),
                                        "lookup_timeout": 1.0})
         try:
-            held, new = _request("held", Q1), _request("new", Q3)
+            held, new = vllm_request("held", Q1), vllm_request("new", Q3)
             assert slow.get_num_new_matched_tokens(held, 0) == (None, False)
             t0 = time.monotonic()
-            assert _answer(slow, new)[0] == 0  # nothing to restore, no store access
+            assert answer(slow, new)[0] == 0  # nothing to restore, no store access
             assert time.monotonic() - t0 < 0.5  # not behind the held lookup
-            n, _ = _answer(slow, held)
-            assert n == 0 and 1.0 <= time.monotonic() - t0 < 4.0  # lookup_timeout, not 5 s
+            n, _ = answer(slow, held)
+            assert n == 0 and 1.0 <= time.monotonic() - t0 < 8.0  # lookup_timeout, not 10 s
             assert any("(timeout)" in ln for ln in lines)
         finally:
             slow.shutdown()

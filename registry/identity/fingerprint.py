@@ -150,6 +150,18 @@ def tokenizer_digest(tokenizer: Any) -> Digest:
     return Digest.of(canonical_json(tokenizer_definition(tokenizer)))
 
 
+# the files a Hugging Face tokenizer is loaded from (sentencepiece, fast, and their
+# configuration): a model directory with none of them has no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "vocab.json", "merges.txt", "vocab.txt")
+# the explicit identity of "no tokenizer": such a model is served token ids only
+NO_TOKENIZER = Digest.of(canonical_json({"tokenizer": None}))
+
+
+def has_tokenizer_files(model_dir: Path) -> bool:
+    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
+
+
 def _tokenizer_summary(tokenizer: Any) -> dict[str, Any]:
     vocab = getattr(tokenizer, "vocab_size", None)
     return {"class": type(tokenizer).__name__,
@@ -341,9 +353,12 @@ def fingerprint_dir(path: Path | str, *, dtype: str | None = None,
     except ImportError:
         raise MissingExtra("fingerprinting a model directory", "hf") from None
     config = AutoConfig.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     kv = kv_config(config, dtype or dir_dtype(config))
-    identity = ModelIdentity(architecture_digest(kv), tokenizer_digest(tokenizer),
-                             dir_weights_digest(model_dir, cache_dir))
     name = str(getattr(config, "_name_or_path", "") or model_dir.name)
+    weights = dir_weights_digest(model_dir, cache_dir)
+    if not has_tokenizer_files(model_dir):  # served token ids only: nothing to instantiate
+        return Fingerprint(ModelIdentity(architecture_digest(kv), NO_TOKENIZER, weights), kv,
+                           name, {"class": None, "vocab_size": None, "size": None})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    identity = ModelIdentity(architecture_digest(kv), tokenizer_digest(tokenizer), weights)
     return Fingerprint(identity, kv, name, _tokenizer_summary(tokenizer))

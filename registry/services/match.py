@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -67,16 +67,34 @@ def _length(c: Candidate, opened: OpenedArtifact, ids: Sequence[int]) -> int:
     return max(c.covers, _lcp(_tokens(opened), ids, c.shared_chunks * c.chunk_tokens))
 
 
+def _references(registry: Opener, c: Candidate) -> tuple[str, ...]:
+    if c.references is not None:
+        return c.references
+    tags = registry.backends.catalog.artifact(c.digest).tags
+    return tuple(f"{t.repository}:{t.tag}" for t in tags)
+
+
+def _repositories(registry: Opener, c: Candidate) -> tuple[str, ...]:
+    """The repositories an artifact was pushed into (tagged there or not: a tag moved to
+    another artifact leaves it in the repository)."""
+    if c.references is not None:  # a server's answer: what the token may see
+        return tuple(r.rsplit(":", 1)[0] for r in c.references)
+    return registry.backends.catalog.artifact(c.digest).repositories
+
+
 def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *,
           max_candidates: int = MAX_CANDIDATES, require_signed_by: Sequence[str] = (),
-          require_verified: bool = False) -> PrefixMatch | None:
+          require_verified: bool = False,
+          repositories: Callable[[str], bool] | None = None) -> PrefixMatch | None:
     """The artifact with the longest prefix of `token_ids` cached for `identity` (None if
     no artifact shares even one token). Ties go to the newest artifact.
 
     Only artifacts the policy accepts are answered (each candidate is opened through
     `Registry.open`, `require_signed_by` and `require_verified` adding to the policy of
     config.toml); when every artifact holding a prefix is refused, the refusal is raised
-    (PolicyRefused, exit 4) rather than answering nothing."""
+    (PolicyRefused, exit 4) rather than answering nothing. With `repositories`, only
+    artifacts pushed into a repository it accepts are candidates (the others are never
+    opened)."""
     from kvgraft.provenance import PolicyRefused
 
     ids = [int(t) for t in token_ids]
@@ -85,6 +103,9 @@ def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *
     best: tuple[PrefixMatch, Candidate] | None = None
     refused: PolicyRefused | None = None
     for c in registry.backends.prefix_index().candidates(identity, ids, max_candidates):
+        if repositories is not None and not any(
+                repositories(r) for r in _repositories(registry, c)):
+            continue
         try:
             opened = registry.open(c.digest, require_signed_by=require_signed_by,
                                    require_verified=require_verified, model=identity,
@@ -101,8 +122,4 @@ def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *
             raise refused
         return None
     found, c = best
-    references = c.references
-    if references is None:
-        tags = registry.backends.catalog.artifact(found.digest).tags
-        references = tuple(f"{t.repository}:{t.tag}" for t in tags)
-    return dataclasses.replace(found, references=references)
+    return dataclasses.replace(found, references=_references(registry, c))

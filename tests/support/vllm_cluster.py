@@ -9,6 +9,7 @@ import random
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from tests.support.tinymodels import build
 ROOT = Path(__file__).resolve().parent.parent.parent
 PROMPT = 300  # tokens: one 256-token chunk is published, 256 are restorable
 REPO = "test/vllm"
+BLOCK = 128  # vLLM's CPU block size
 NODE_TIMEOUT = 600
 
 
@@ -42,7 +44,7 @@ def node_env(shared: dict[str, str], node: Path) -> dict[str, str]:
             "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def run_node(model: Path, env: dict[str, str], prompts: list[list[int]],
+def run_node(model: Path, env: dict[str, str], prompts: list[list[int] | dict[str, Any]],
              **options: Any) -> list[dict[str, Any]]:
     spec = {"model": str(model), "env": env, "prompts": prompts,
             "extra": {"repository": REPO}, **options}
@@ -67,3 +69,40 @@ def published(reg: Registry, ids: list[int]) -> Digest:
     """The graft node A published for the first 256 tokens of ids."""
     tag = "t-" + Digest.of(struct.pack(f"<{256}q", *ids[:256])).hex[:32]
     return reg.resolve(f"{REPO}:{tag}")
+
+
+def scheduler_side(model: Path, extra: dict[str, Any]) -> Any:
+    """vLLM's scheduler-side connector for `model`, built from a real VllmConfig without
+    starting an engine (what vLLM's scheduler constructs)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvgraft.integrations.vllm import KvgraftConnector
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16",
+                                 max_model_len=1024, enforce_eager=True),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvgraftConnector", kv_role="kv_both",
+            kv_connector_module_path="kvgraft.integrations.vllm",
+            kv_connector_extra_config={"repository": REPO, **extra}))
+    return KvgraftConnector(config, KVConnectorRole.SCHEDULER)
+
+
+def vllm_request(rid: str, ids: list[int]) -> Any:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(rid, ids, SamplingParams(max_tokens=1), None)
+
+
+def answer(conn: Any, request: Any, limit: float = 30.0) -> tuple[int | None, float]:
+    """Poll as vLLM's scheduler does (once a step) until the connector answers."""
+    t0 = time.monotonic()
+    while True:
+        n, load_async = conn.get_num_new_matched_tokens(request, 0)
+        assert load_async is False
+        if n is not None or time.monotonic() - t0 > limit:
+            return n, time.monotonic() - t0
+        time.sleep(0.001)

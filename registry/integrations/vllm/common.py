@@ -18,7 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvgraft.client import Registry
 from kvgraft.errors import IntegrityError, RegistryError
 from kvgraft.integrations.background import Background, Counters
-from kvgraft.integrations.vllm.identity import EngineIdentity, engine_identity
+from kvgraft.integrations.vllm.identity import EngineIdentity, check_served, engine_identity
+from kvgraft.integrations.vllm.keying import Keys, RequestKey, salt_key
 from kvgraft.integrations.vllm.store import (
     RestorePlan,
     Settings,
@@ -51,6 +52,7 @@ class SaveSpec:
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
+    key: RequestKey  # what besides the tokens the KV was computed with
 
 
 @dataclass
@@ -92,6 +94,9 @@ class Context:
             self._open(vllm_config)
         except Exception as e:  # never stop the engine: serve without the registry
             self.disable("connector disabled, every request computes its prefill", e)
+        # the same on both sides: the salt key and the scope follow the repository
+        self.keys = Keys(salt_key(self.settings.salt_key, self.repository))
+        self.scope = self.settings.scope(self.repository)
         self.bg = Background(f"kvgraft-{side}", max(1, self.settings.queue_size),
                              self.counters, log)
         if self.ident is not None:
@@ -106,6 +111,7 @@ class Context:
         if current_platform.device_type != "cpu":
             raise RegistryError("the kvgraft connector supports vLLM's CPU attention "
                                 "backend's paged layout only")
+        check_served(vllm_config)
         self.ident = engine_identity(vllm_config, backend="CPU_ATTN",
                                      cache_dir=self.registry.config.cache_dir)
         self.repository = self.repository or default_repository(self.ident.name)
@@ -113,6 +119,11 @@ class Context:
     @property
     def enabled(self) -> bool:
         return self.ident is not None and self.registry is not None
+
+    def keyed(self, key: RequestKey) -> EngineIdentity | None:
+        """The identity of the grafts of requests with `key` (None: the connector is off)."""
+        ident = self.ident
+        return None if ident is None else self.keys.identity(ident, key)
 
     def disable(self, what: str, e: BaseException) -> None:
         self.ident = None

@@ -8,7 +8,7 @@ hands each call of the v1 API to it:
   holds for this engine, looked up and its chunks fetched off vLLM's scheduler thread; the
   restore plans and publishes the worker side carries out, as the step's metadata.
   worker side (`worker.py`): the planned chunks written into the blocks vLLM allocated,
-  and the computed prompts published (full chunks only) by a background thread.
+  and the computed prompts published (whole blocks) by a background thread.
 
 Both sides open their registry and engine identity the same way (`common.Context`).
 Failures never reach vLLM: each one is logged, counted and recorded as an audit event,

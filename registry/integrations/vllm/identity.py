@@ -45,6 +45,27 @@ def _dtype_name(dtype: Any) -> str:
     return _DTYPES[text]
 
 
+def check_served(vllm_config: Any) -> None:
+    """Refuse, at construction and so on both sides alike, an engine whose KV the worker
+    side cannot read or write: a parallel layout (each rank holds a slice of the heads or
+    of the layers; the copies move whole layers of all heads) or a kernel family whose
+    paged layout the copies do not implement. The scheduler side never promises a load
+    the worker side would then fail."""
+    from kvgraft.integrations.vllm.paged import KNOWN_ISAS, attention_isa
+
+    par = vllm_config.parallel_config
+    sizes = {"tensor_parallel_size": int(getattr(par, "tensor_parallel_size", 1)),
+             "pipeline_parallel_size": int(getattr(par, "pipeline_parallel_size", 1))}
+    if any(n != 1 for n in sizes.values()):
+        raise UsageError(f"parallel layouts are not supported ({sizes})")
+    model = vllm_config.model_config
+    isa = attention_isa(model.dtype, int(vllm_config.cache_config.block_size),
+                        int(model.get_head_size()))
+    if isa not in KNOWN_ISAS:
+        raise UsageError(f"the {isa!r} paged layout of vLLM's CPU attention is not "
+                         f"supported (only {', '.join(KNOWN_ISAS)})")
+
+
 def engine_info(vllm_config: Any, backend: str) -> dict[str, Any]:
     import torch
     import vllm

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvgraft.formats.manifest import Manifest
+from kvgraft.identity.model import ModelIdentity
 from kvgraft.integrations.vllm.common import (
     Context,
     KvgraftMetadata,
@@ -30,6 +31,7 @@ from kvgraft.integrations.vllm.common import (
     LookupTimedOut,
     SaveSpec,
 )
+from kvgraft.integrations.vllm.keying import RequestKey, skip_reason
 from kvgraft.integrations.vllm.store import (
     RestorePlan,
     check_policy,
@@ -49,9 +51,14 @@ RECENT_GRAFTS = 16  # grafts remembered for prompts that repeat a prefix (no cat
 Found = tuple[Manifest, int, bool]  # (graft, prompt tokens it covers, cross-engine?)
 
 
+# (restore plan, prompt tokens the registry covers, the request's key: None when unknown,
+# and the prompt is then not published)
+Answer = tuple[RestorePlan | None, int, RequestKey | None]
+
+
 @dataclass
 class _Lookup:
-    future: Future[tuple[RestorePlan | None, int]]  # (plan, tokens the registry covers)
+    future: Future[Answer]
     started: float  # time.monotonic() at submission
     polls: int = 0
 
@@ -63,12 +70,14 @@ class _Recent:
     manifest: Manifest
     tokens: tuple[int, ...]
     cross_engine: bool
+    identity: ModelIdentity  # the (keyed) identity it was looked up for
 
 
 @dataclass
 class _Pending:
-    token_ids: list[int]  # the prefix to publish (whole chunks)
+    token_ids: list[int]  # the prefix to publish (whole blocks)
     block_ids: list[int]
+    key: RequestKey
 
 
 class RecentGrafts:
@@ -84,22 +93,23 @@ class RecentGrafts:
         with self._lock:
             return len(self._entries)
 
-    def recall(self, ids: list[int], wanted: int) -> Found | None:
-        """A graft covering at least `wanted` tokens of `ids`: no other graft can give
-        more, so the catalog is not asked again."""
+    def recall(self, identity: ModelIdentity, ids: list[int], wanted: int) -> Found | None:
+        """A graft for `identity` covering at least `wanted` tokens of `ids`: no other
+        graft can give more, so the catalog is not asked again."""
         with self._lock:
             for key, recent in reversed(self._entries.items()):
                 n = len(recent.tokens)
-                if n >= wanted and len(ids) >= n and tuple(ids[:n]) == recent.tokens:
+                if (n >= wanted and len(ids) >= n and recent.identity == identity
+                        and tuple(ids[:n]) == recent.tokens):
                     self._entries.move_to_end(key)
                     return recent.manifest, n, recent.cross_engine
         return None
 
-    def remember(self, found: Found, ids: list[int]) -> None:
+    def remember(self, identity: ModelIdentity, found: Found, ids: list[int]) -> None:
         manifest, covered, cross = found
         with self._lock:
             key = f"{manifest.digest}:{covered}"
-            self._entries[key] = _Recent(manifest, tuple(ids[:covered]), cross)
+            self._entries[key] = _Recent(manifest, tuple(ids[:covered]), cross, identity)
             self._entries.move_to_end(key)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
@@ -118,6 +128,7 @@ class KvgraftConnectorScheduler:
         self._lookup_pool = ThreadPoolExecutor(LOOKUP_THREADS,
                                                thread_name_prefix="kvgraft-lookup")
         self._covered: dict[str, int] = {}
+        self._keys: dict[str, RequestKey | None] = {}
         self._need_load: dict[str, tuple[RestorePlan, int]] = {}
         self._pending: dict[str, _Pending] = {}
 
@@ -128,23 +139,23 @@ class KvgraftConnectorScheduler:
             answer = self._poll_lookup(request, num_computed_tokens)
             if answer is None:
                 return None, False  # not known yet: vLLM asks again on a later step
-            self._plans[rid], self._covered[rid] = answer
+            self._plans[rid], self._covered[rid], self._keys[rid] = answer
         plan = self._plans[rid]
         if plan is None or plan.end <= num_computed_tokens:
             return 0, False
         return plan.end - num_computed_tokens, False
 
-    def _poll_lookup(self, request: Request, local: int,
-                     ) -> tuple[RestorePlan | None, int] | None:
+    def _poll_lookup(self, request: Request, local: int) -> Answer | None:
         """The lookup's answer for a new request, None while it runs. The first call starts
         it on a lookup thread; later calls (one per scheduler step) only look at it."""
         rid = request.request_id
         pending = self._lookups.get(rid)
         if pending is None:
             ids = self._lookup_ids(request, local)
-            if ids is None:
-                return None, len(request.prompt_token_ids or [])  # not ours: never published
-            future = self._lookup_pool.submit(self._find, rid, ids, local)
+            if ids is None:  # not ours: never published
+                return None, len(request.prompt_token_ids or []), None
+            future = self._lookup_pool.submit(self._find, rid, ids, local,
+                                              request.lora_request, request.cache_salt)
             self._lookups[rid] = pending = _Lookup(future, time.monotonic())
             return None
         pending.polls += 1
@@ -161,13 +172,22 @@ class KvgraftConnectorScheduler:
         pending.future.cancel()  # a lookup still queued never starts; a running one ends
         self.ctx.fallback(rid, None, LookupTimedOut(  # on its own, answering nobody
             f"no answer from the registry in {timeout:g} s"))
-        return None, 0
+        # published only if its key is known without hashing an adapter
+        key = (None if request.lora_request is not None
+               else self.ctx.keys.key(None, request.cache_salt))
+        return None, 0, key
 
     def _lookup_ids(self, request: Request, local: int) -> list[int] | None:
         """The prompt to look up (a copy: the lookup thread must not share vLLM's list),
         None when the connector has nothing to restore or publish for it."""
         ctx = self.ctx
         if not ctx.enabled or not (ctx.restore or ctx.publish):
+            return None
+        skip = skip_reason(request)
+        if skip is not None:
+            ctx.counters.add(f"skipped.{skip}")
+            log.info("kvgraft: request %s is neither restored nor published (%s)",
+                     request.request_id, skip.replace("_", " "))
             return None
         ids = [int(t) for t in (request.prompt_token_ids or [])]
         if len(ids) < max(1, ctx.settings.min_tokens):
@@ -176,43 +196,48 @@ class KvgraftConnectorScheduler:
             # vLLM's own prefix cache holds all a graft could give and this engine computed
             # (so published) it: no lookup, the request is not kept waiting for one
             return None
-        if len(ids) <= ctx.block and len(ids) < ctx.chunk:
-            return None  # nothing to restore (a block and a token) nor to publish (a chunk)
+        if len(ids) < ctx.block:
+            return None  # nothing to restore (a block and a token) nor to publish (a block)
         return ids
 
     def _wanted(self, n: int) -> int:
         """Prompt tokens a lookup can be useful for: the most a restore can give (whole
-        blocks, one token left to compute) and the full chunks a publish would store."""
-        block, chunk = self.ctx.block, self.ctx.chunk
-        return max((n - 1) // block * block, n // chunk * chunk)
+        blocks, one token left to compute) and the whole blocks a publish would store."""
+        return n // self.ctx.block * self.ctx.block
 
-    def _find(self, rid: str, ids: list[int], local: int) -> tuple[RestorePlan | None, int]:
-        """On a lookup thread: (restore plan or None, prompt tokens the registry covers).
-        `local`: tokens vLLM's own prefix cache had when the request was first seen."""
-        if self.ctx.registry is None or self.ctx.ident is None:
-            return None, 0
+    def _find(self, rid: str, ids: list[int], local: int, lora: Any,
+              salt: str | None) -> Answer:
+        """On a lookup thread: (restore plan or None, prompt tokens the registry covers,
+        the request's key). `local`: tokens vLLM's own prefix cache had when the request
+        was first seen; `lora`, `salt`: the request's adapter and cache_salt."""
+        ctx = self.ctx
+        key: RequestKey | None = None
         digest = None
         recalled = None
         try:
+            key = ctx.keys.key(lora, salt)  # an adapter is hashed once, here
+            ident = ctx.keyed(key)
+            if ctx.registry is None or ident is None:
+                return None, 0, None
             t0 = time.perf_counter()
-            found = recalled = self.recent.recall(ids, self._wanted(len(ids)))
+            found = recalled = self.recent.recall(ident.identity, ids, self._wanted(len(ids)))
             if found is None:
-                found = lookup(self.ctx.registry, self.ctx.ident, ids,
-                               self.ctx.settings.allow_cross_engine)
+                found = lookup(ctx.registry, ident, ids, ctx.settings.allow_cross_engine,
+                               ctx.scope)
             covered = 0 if found is None else found[1]
-            end = min(covered, len(ids) - 1) // self.ctx.block * self.ctx.block
-            if found is None or not self.ctx.restore or end <= local:
-                return None, covered
+            end = min(covered, len(ids) - 1) // ctx.block * ctx.block
+            if found is None or not ctx.restore or end <= local:
+                return None, covered, key
             digest = str(found[0].digest)
             plan = self._prepare(rid, ids, found, end, t0, recalled is not None)
-            if recalled is None:
-                self.recent.remember(found, ids)  # only a graft the policy and fetch accepted
-            return plan, covered
+            if recalled is None:  # only a graft the policy and fetch accepted
+                self.recent.remember(ident.identity, found, ids)
+            return plan, covered, key
         except Exception as e:
             if recalled is not None:  # ask the catalog next time: it may know a better one
                 self.recent.forget(recalled)
-            self.ctx.fallback(rid, digest, e)
-            return None, 0
+            ctx.fallback(rid, digest, e)
+            return None, 0, key
 
     def _prepare(self, rid: str, ids: list[int], found: Found, end: int, t0: float,
                  recalled: bool) -> RestorePlan:
@@ -256,12 +281,14 @@ class KvgraftConnectorScheduler:
         return meta
 
     def _hold_for_publish(self, rid: str, ids: list[int], blocks: list[int]) -> None:
-        """Keep a new request's whole chunks the registry lacks, to publish once computed."""
+        """Keep a new request's whole blocks the registry lacks, to publish once computed
+        (the last chunk of the graft is partial unless the chunk size divides them)."""
         ctx = self.ctx
-        n = len(ids) // ctx.chunk * ctx.chunk
+        n = len(ids) // ctx.block * ctx.block
+        key = self._keys.get(rid)
         if (ctx.publish and ctx.enabled and n > 0 and n > self._covered.get(rid, n)
-                and len(ids) >= ctx.settings.min_tokens):
-            self._pending[rid] = _Pending(ids[:n], blocks)
+                and key is not None and len(ids) >= ctx.settings.min_tokens):
+            self._pending[rid] = _Pending(ids[:n], blocks, key)
 
     def _cached_step(self, meta: KvgraftMetadata, scheduler_output: SchedulerOutput,
                      i: int, rid: str) -> None:
@@ -292,11 +319,12 @@ class KvgraftConnectorScheduler:
             return
         del self._pending[rid]
         nblocks = len(pending.token_ids) // self.ctx.block
-        meta.saves.append(SaveSpec(rid, pending.token_ids, pending.block_ids[:nblocks]))
+        meta.saves.append(SaveSpec(rid, pending.token_ids, pending.block_ids[:nblocks],
+                                   pending.key))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        for d in (self._plans, self._covered, self._need_load, self._pending):
+        for d in (self._plans, self._covered, self._keys, self._need_load, self._pending):
             d.pop(rid, None)
         pending = self._lookups.pop(rid, None)
         if pending is not None:

@@ -3,13 +3,14 @@ verified chunk fetches, publishing computed prefixes and audit events."""
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import re
 import struct
 import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ log = logging.getLogger("vllm.kvgraft")
 DEFAULT_MEMORY_CACHE_MB = 512
 _SETTINGS = ("home", "catalog_url", "blob_url", "cache_dir", "remote", "repository",
              "chunk_tokens", "publish", "restore", "allow_cross_engine", "queue_size",
-             "min_tokens", "lookup_timeout", "memory_cache_mb")
+             "min_tokens", "lookup_timeout", "memory_cache_mb", "restore_from", "salt_key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,11 @@ class Settings:
     lookup_timeout: float = 5.0
     # verified chunks the worker keeps in memory for the next restore (0: none)
     memory_cache_mb: int = DEFAULT_MEMORY_CACHE_MB
+    # repositories (names or shell patterns) restores are looked up in; () is the
+    # publishing repository only
+    restore_from: tuple[str, ...] = ()
+    # HMAC key of cache_salt digests (keying.salt_key); a secret, never shown
+    salt_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> Settings:
@@ -75,7 +81,11 @@ class Settings:
                    int(extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)), extra.get("publish"),
                    extra.get("restore"), bool(extra.get("allow_cross_engine", False)),
                    int(extra.get("queue_size", 8)), int(extra.get("min_tokens", 0)),
-                   timeout, memory)
+                   timeout, memory, _patterns(extra.get("restore_from", ())),
+                   _secret(extra.get("salt_key")))
+
+    def scope(self, repository: str) -> RepositoryScope:
+        return RepositoryScope(self.restore_from or (repository,))
 
     def open(self) -> Registry:
         from kvgraft.config import Config
@@ -85,6 +95,33 @@ class Settings:
         if "home" in self.overrides:
             env["KVGRAFT_HOME"] = str(self.overrides["home"])
         return Registry(Config.from_env(env, remote=self.remote, **self.overrides))
+
+
+def _patterns(value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(
+            isinstance(p, str) and p.strip() for p in items):
+        raise UsageError(f"restore_from must be a repository name or pattern, or a list of "
+                         f"them, not {value!r}")
+    return tuple(p.strip() for p in items)
+
+
+def _secret(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) < 16:
+        raise UsageError("salt_key must be a string of at least 16 characters")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class RepositoryScope:
+    """The repositories a restore may come from: names or shell patterns (fnmatch)."""
+
+    patterns: tuple[str, ...]
+
+    def __call__(self, repository: str) -> bool:
+        return any(fnmatch.fnmatchcase(repository, p) for p in self.patterns)
 
 
 def aligned_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
@@ -115,14 +152,16 @@ class RestorePlan:
 
 
 def lookup(registry: Registry, ident: EngineIdentity, token_ids: Sequence[int],
-           allow_cross_engine: bool) -> tuple[Manifest, int, bool] | None:
+           allow_cross_engine: bool, scope: Callable[[str], bool] | None = None,
+           ) -> tuple[Manifest, int, bool] | None:
     """(manifest, tokens covered, cross-engine?) of the graft with the longest prefix of
-    `token_ids` this engine may restore."""
+    `token_ids` this engine may restore, among the grafts tagged in a repository `scope`
+    accepts (None: any the registry can read)."""
     candidates = [(ident.identity, False)]
     if allow_cross_engine:
         candidates.append((ident.plain, True))
     for identity, cross in candidates:
-        m = match(registry, identity, token_ids)
+        m = match(registry, identity, token_ids, repositories=scope)
         if m is None:
             continue
         manifest = registry.manifest(m.digest)
@@ -170,6 +209,13 @@ def event(registry: Registry, action: str, digest: str | None, outcome: str,
                            outcome=outcome, repository=repository, detail=dict(detail))
 
 
+def graft_tag(ident: EngineIdentity, tokens: Digest) -> str:
+    """`t-<tokens>`, and for a keyed request `-<identity>` after it: one prompt published
+    with the base model and with an adapter (or two salts) makes two grafts, each tagged."""
+    tag = f"t-{tokens.hex[:32]}"
+    return f"{tag}-{ident.identity.key.hex[:16]}" if ident.config.get("request") else tag
+
+
 def publish(registry: Registry, ident: EngineIdentity, repository: str, chunk_tokens: int,
             token_ids: Sequence[int], layers: Sequence[tuple[Any, Any]]) -> Digest:
     """Store the KV of `token_ids` (per layer, key and value [kv_heads, tokens, head_dim]
@@ -194,6 +240,8 @@ def publish(registry: Registry, ident: EngineIdentity, repository: str, chunk_to
                   "input": {"token_ids": str(tokens_digest), "token_count": len(token_ids),
                             "text": None},
                   "output": {"tensors": tensors}, "parents": []}
+    if ident.config.get("request"):  # what besides the tokens the KV was computed with
+        provenance["request"] = ident.config["request"]
     tmp_dir = registry.config.cache_dir / "tmp"
     tmp_dir.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix="vllm-", suffix=".kv", dir=tmp_dir)
@@ -201,7 +249,7 @@ def publish(registry: Registry, ident: EngineIdentity, repository: str, chunk_to
     try:
         path = write_kvfile(name, raw, token_bytes, ident.identity, model_name=ident.name,
                             model_config=ident.config, provenance=provenance)
-        result = registry.push(path, Reference(repository, tag=f"t-{tokens_digest.hex[:32]}"),
+        result = registry.push(path, Reference(repository, tag=graft_tag(ident, tokens_digest)),
                                options=PushOptions(chunk_tokens=chunk_tokens))
     finally:
         Path(name).unlink(missing_ok=True)

@@ -2,8 +2,8 @@
 blocks vLLM allocated, and publishes the prompts the engine computed.
 
 A restore reads each chunk back from memory or the machine cache (verified again on read)
-and writes it into vLLM's paged blocks before the forward starts. Publishing (full chunks
-only) copies the computed blocks out during the forward and stores them from a background
+and writes it into vLLM's paged blocks before the forward starts. Publishing (whole blocks)
+copies the computed blocks out during the forward and stores them from a background
 thread, off the request path.
 """
 
@@ -199,9 +199,10 @@ class KvgraftConnectorWorker:
     def wait_for_save(self, meta: KvgraftMetadata) -> None:
         if not meta.saves:
             return
-        registry, ident = self.ctx.registry, self.ctx.ident
+        registry = self.ctx.registry
         for spec in meta.saves:
             layers = self._saving.pop(spec.req_id, [])
+            ident = self.ctx.keyed(spec.key)
             if registry is None or ident is None or len(layers) != ident.layers:
                 continue
             self.ctx.bg.submit("publish", self._publisher(registry, ident, spec, layers))
