@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgraft.codecs import bytegroup
+from kvgraft.codecs import bytegroup, planelayout
 from kvgraft.codecs.codec import (
     AUTO,
     best_codec_name,
@@ -82,8 +82,8 @@ def test_mantissa_plane_is_stored_raw_and_exponent_plane_compressed() -> None:
         planes = [struct.unpack_from("<BQ", body, at + 9 * j)[0] for j in range(width)]
         at += 9 * width
         methods.append((width, bool(rotated), planes))
-    assert methods == [(1, False, [bytegroup.ZSTD]),
-                       (2, True, [bytegroup.RAW, bytegroup.ZSTD])]
+    assert methods == [(1, False, [planelayout.ZSTD]),
+                       (2, True, [planelayout.RAW, planelayout.ZSTD])]
 
 
 @pytest.mark.parametrize("width", [2, 4, 8])
@@ -257,7 +257,7 @@ def test_plane_with_a_second_zstd_frame_is_refused(libzstd: bool) -> None:
     frame_ = bytes(zstandard_frame(data))
     for plane in (frame_ + frame_, frame_ + b"\0", frame_[:-1]):
         body = struct.pack("<BI", 1, 1) + struct.pack("<BBQ", 1, 0, len(data)) + \
-            struct.pack("<BQ", bytegroup.ZSTD, len(plane)) + plane
+            struct.pack("<BQ", planelayout.ZSTD, len(plane)) + plane
         with pytest.raises(IntegrityError):
             bytegroup.ByteGroupCodec(libzstd=libzstd).decode(memoryview(body), len(data))
 

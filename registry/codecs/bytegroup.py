@@ -30,7 +30,7 @@ import json
 import math
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,18 +38,24 @@ import numpy as np
 import numpy.typing as npt
 import zstandard
 
+from kvgraft.codecs.planelayout import (
+    BODY_VERSION,
+    HEAD,
+    PLANE,
+    RAW,
+    SEGMENT,
+    ZSTD,
+    parse_layout,
+)
 from kvgraft.codecs.zstdframe import decode_frame
 from kvgraft.digest import Buffer
 from kvgraft.errors import IntegrityError, UsageError
 
 NAME = "zstd-bytegroup"
-BODY_VERSION = 1
 # Plane width and whether to rotate the sign bit down, per safetensors dtype.
 GROUPED: dict[str, tuple[int, bool]] = {
     "BF16": (2, True), "F16": (2, True), "F32": (4, True), "F64": (8, True),
 }  # fmt: skip
-WIDTHS = (1, 2, 4, 8)
-RAW, ZSTD = 0, 1
 # Above this order-0 entropy (bits per byte) a plane gains < 2.5% from any byte coder; storing
 # it raw makes both directions a memcpy.
 RAW_ENTROPY = 7.8
@@ -57,9 +63,6 @@ SAMPLE = 1 << 14
 TRY_BELOW = 1 << 16
 MAX_HINT_HEADER = 64 * 1024 * 1024
 
-_HEAD = struct.Struct("<BI")
-_SEGMENT = struct.Struct("<BBQ")
-_PLANE = struct.Struct("<BQ")
 
 U8Array = npt.NDArray[np.uint8]
 
@@ -401,17 +404,17 @@ class ByteGroupCodec:
         """The body, as a view of one fresh buffer that nothing else refers to."""
         view = memoryview(data).cast("B")
         segments = hint_segments(view)
-        at = _HEAD.size + sum(_SEGMENT.size + s.width * _PLANE.size for s in segments)
+        at = HEAD.size + sum(SEGMENT.size + s.width * PLANE.size for s in segments)
         # Every plane is stored raw or smaller, so the body never outgrows this; pages past
         # what is written are never touched.
         body = np.empty(at + view.nbytes, np.uint8)
-        descriptors = [_HEAD.pack(BODY_VERSION, len(segments))]
+        descriptors = [HEAD.pack(BODY_VERSION, len(segments))]
         for seg in segments:
             piece = view[seg.offset : seg.offset + seg.length]
-            descriptors.append(_SEGMENT.pack(seg.width, seg.rotated, seg.length))
+            descriptors.append(SEGMENT.pack(seg.width, seg.rotated, seg.length))
             if seg.width == 1:
                 method, stored = self._store(np.frombuffer(piece, np.uint8), body, at, False)
-                descriptors.append(_PLANE.pack(method, stored))
+                descriptors.append(PLANE.pack(method, stored))
                 at += stored
                 continue
             n = seg.length // seg.width
@@ -422,7 +425,7 @@ class ByteGroupCodec:
                 plane = body[at : at + n]
                 split_plane(values, j, seg.rotated, plane, tmp)
                 method, stored = self._store(plane, body, at, True)
-                descriptors.append(_PLANE.pack(method, stored))
+                descriptors.append(PLANE.pack(method, stored))
                 at += stored
         head = b"".join(descriptors)
         body[: len(head)] = np.frombuffer(head, np.uint8)
@@ -485,8 +488,6 @@ class ByteGroupCodec:
             merge_planes(decoded, width, rotated, target, self._scratch)
 
 
-Plane = tuple[int, int]  # (method, stored length) as the segment descriptor gives it
-Layout = list[tuple[int, bool, int, list[tuple[int, int, int]]]]
 
 
 def _parse_body(body: memoryview, size: int
@@ -495,75 +496,6 @@ def _parse_body(body: memoryview, size: int
     for width, rotated, length, planes in parse_layout(
             lambda at, n: body[at : at + n], body.nbytes, size):
         yield width, rotated, length, [(m, body[at : at + n]) for m, at, n in planes]
-
-
-def parse_layout(read_at: Callable[[int, int], Buffer], nbytes: int, size: int) -> Layout:
-    """The segments of a body of `nbytes` (read through `read_at(offset, n)`) that must
-    decode to `size` bytes: (width, rotated, length, [(method, offset, stored length)]),
-    every length checked against `size` and the body before anything is decoded."""
-    segments, at = _descriptors(read_at, nbytes, size)
-    layout: Layout = []
-    for width, rotated, length, planes in segments:
-        n = length // width
-        placed = []
-        for method, stored in planes:
-            if at + stored > nbytes:
-                raise IntegrityError("bytegroup body is truncated")
-            if method == RAW and stored != n:
-                raise IntegrityError(f"raw plane holds {stored} bytes, expected {n}")
-            placed.append((method, at, stored))
-            at += stored
-        layout.append((width, rotated, length, placed))
-    if at != nbytes:
-        raise IntegrityError(f"bytegroup body has {nbytes - at} bytes of trailing data")
-    return layout
-
-
-def _unpack(read_at: Callable[[int, int], Buffer], nbytes: int, at: int,
-            fmt: struct.Struct) -> tuple[tuple[int, ...], int]:
-    """The values of `fmt` at `at`, and the offset after them."""
-    if at + fmt.size > nbytes:
-        raise IntegrityError("bytegroup body is truncated")
-    return fmt.unpack(read_at(at, fmt.size)), at + fmt.size
-
-
-def _descriptors(read_at: Callable[[int, int], Buffer], nbytes: int, size: int
-                 ) -> tuple[list[tuple[int, bool, int, list[Plane]]], int]:
-    """The head and every segment descriptor, checked against `size`; and where the plane
-    data starts."""
-    (version, count), at = _unpack(read_at, nbytes, 0, _HEAD)
-    if version != BODY_VERSION:
-        raise IntegrityError(f"bytegroup body has unknown version {version}")
-    # Each segment takes at least one descriptor and one plane entry: a count that could not
-    # fit in the body is corrupt (and must not drive a long loop).
-    if count * (_SEGMENT.size + _PLANE.size) > nbytes:
-        raise IntegrityError(f"bytegroup body claims {count} segments, more than it can hold")
-    segments = []
-    total = 0
-    for _ in range(count):
-        (width, rotated, length), at = _unpack(read_at, nbytes, at, _SEGMENT)
-        _check_segment(width, rotated, length)
-        total += length
-        if total > size:
-            raise IntegrityError(f"bytegroup body decodes to more than the declared {size} bytes")
-        planes: list[Plane] = []
-        for _ in range(width):
-            (method, stored), at = _unpack(read_at, nbytes, at, _PLANE)
-            planes.append((method, stored))
-        for method, _ in planes:
-            if method not in (RAW, ZSTD):
-                raise IntegrityError(f"bytegroup plane has unknown method {method}")
-        segments.append((width, bool(rotated), length, planes))
-    if total != size:
-        raise IntegrityError(f"bytegroup body decodes to {total} bytes, expected {size}")
-    return segments, at
-
-
-def _check_segment(width: int, rotated: int, length: int) -> None:
-    if width not in WIDTHS or rotated not in (0, 1) or (rotated and width == 1):
-        raise IntegrityError(f"bytegroup segment has bad width {width} or rotation")
-    if length == 0 or length % width:
-        raise IntegrityError(f"bytegroup segment of {length} bytes does not fit width {width}")
 
 
 def entropy_bound(data: Buffer) -> float:

@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from kvgraft.codecs import bytegroup
+from kvgraft.codecs import bytegroup, planelayout
 from kvgraft.codecs.codec import FRAME_VERSION, MAGIC, decode_blob, max_stored_size
 from kvgraft.codecs.zstdframe import FrameReader, ReadAt
 from kvgraft.digest import Buffer
@@ -79,7 +79,7 @@ def decoded_pieces(f: BinaryIO, size: int, *, piece: int = PIECE) -> Iterator[Bu
     if name == "zstd":
         return _frame(FrameReader(body_at, 0, length, size), piece)
     if name == bytegroup.NAME:
-        return _bytegroup(bytegroup.parse_layout(body_at, length, size), body_at, piece)
+        return _bytegroup(planelayout.parse_layout(body_at, length, size), body_at, piece)
     # A codec registered from outside knows only whole-blob decoding; the size is bounded
     # by the caller's limit all the same.
     return iter([decode_blob(read_at(0, stored), size)[1]])
@@ -106,7 +106,7 @@ class _Plane:
 
     def __init__(self, read_at: ReadAt, method: int, offset: int, stored: int, n: int) -> None:
         self.frame = (FrameReader(read_at, offset, stored, n, what="plane")
-                      if method == bytegroup.ZSTD else None)
+                      if method == planelayout.ZSTD else None)
         self.read_at, self.offset = read_at, offset
 
     def read(self, n: int) -> bytes:
@@ -123,7 +123,7 @@ class _Plane:
             self.frame.finish()
 
 
-def _bytegroup(layout: bytegroup.Layout, read_at: ReadAt, piece: int) -> Iterator[Buffer]:
+def _bytegroup(layout: planelayout.Layout, read_at: ReadAt, piece: int) -> Iterator[Buffer]:
     scratch = bytegroup._Scratch()
     for width, rotated, length, placed in layout:
         planes = [_Plane(read_at, m, at, stored, length // width) for m, at, stored in placed]
