@@ -31,7 +31,7 @@ MAX_HEADER_BYTES = 64 << 10
 
 class HeaderLimit:
     """Refuse requests whose headers exceed MAX_HEADER_BYTES in all (431), whichever HTTP
-    parser uvicorn uses (h11 has a limit, httptools none)."""
+    parser uvicorn uses (h11 has a limit, httptools none), and URLs holding NUL (400)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -41,6 +41,13 @@ class HeaderLimit:
                 len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
             error = OciError(431, "SIZE_INVALID",
                              f"request headers exceed {MAX_HEADER_BYTES} bytes")
+            await error.response()(scope, receive, send)
+            return
+        if scope["type"] == "http" and (b"%00" in scope["query_string"]
+                                        or "\0" in scope["path"]):
+            # No name, reference or search holds NUL, and PostgreSQL cannot compare
+            # one: refused for every route alike, on either database.
+            error = OciError(400, "UNSUPPORTED", "NUL in the request URL")
             await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)

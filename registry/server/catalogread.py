@@ -21,6 +21,7 @@ from kvgraft.remote import wire
 from kvgraft.server.auth import Principal
 from kvgraft.server.context import Context
 from kvgraft.server.endpoint import (
+    MAX_ACTION,
     MAX_DIGESTS,
     digest_param,
     principal_of,
@@ -28,7 +29,7 @@ from kvgraft.server.endpoint import (
     require,
     visible_in,
 )
-from kvgraft.server.errors import OciError
+from kvgraft.server.errors import OciError, digits
 
 # --- reads ---------------------------------------------------------------------------
 
@@ -102,13 +103,18 @@ def events(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     else:  # the whole log names every repository: admin only
         require(request, ctx, "*", "admin")
     principal: Principal = request.state.principal
+    limit = q.get("limit") or None
+    if limit is not None and not digits(limit, 9):
+        raise OciError(400, "UNSUPPORTED", "limit is a whole number below 10**9")
+    action = q.get("action") or None
+    if action is not None and len(action) > MAX_ACTION:
+        raise OciError(400, "UNSUPPORTED", f"an action has at most {MAX_ACTION} characters")
     try:
         since = datetime.fromisoformat(q["since"]) if q.get("since") else None
-        limit = int(q["limit"]) if q.get("limit") else None
     except ValueError as e:
-        raise OciError(400, "UNSUPPORTED", f"bad since/limit: {e}") from None
-    found = ctx.catalog.events(digest=digest, action=q.get("action") or None,
-                                        since=since, limit=limit)
+        raise OciError(400, "UNSUPPORTED", f"bad since: {e}") from None
+    found = ctx.catalog.events(digest=digest, action=action, since=since,
+                               limit=int(limit) if limit else None)
     return {"events": [wire.event_json(e) for e in found
                        if e.repository is None
                        or principal.may(ctx.settings, e.repository, "pull")]}

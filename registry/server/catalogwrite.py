@@ -22,7 +22,6 @@ from kvgraft.codecs.stream import decoded_pieces, reader_at, seekable, stored_he
 from kvgraft.digest import Digest
 from kvgraft.errors import Conflict, IntegrityError, RegistryError, UsageError
 from kvgraft.formats.manifest import BlobRef, Manifest
-from kvgraft.reference import Reference
 from kvgraft.remote import wire
 from kvgraft.server.context import Context
 from kvgraft.server.endpoint import (
@@ -31,9 +30,11 @@ from kvgraft.server.endpoint import (
     event_fields,
     repository_param,
     require,
+    short_text,
+    tag_param,
     visible_in,
 )
-from kvgraft.server.errors import OciError
+from kvgraft.server.errors import OciError, digits
 from kvgraft.server.oci import _receive as receive
 
 # --- writes --------------------------------------------------------------------------
@@ -43,7 +44,7 @@ def _upload_args(request: Request, ctx: Context) -> tuple[str, Digest, int]:
     repository = repository_param(request.query_params.get("repository"))
     require(request, ctx, repository, "push")
     size = request.query_params.get("size", "")
-    if not size.isdigit():
+    if not digits(size, 4000):
         raise OciError(400, "SIZE_INVALID", "give the decoded size as ?size=N")
     if len(size) > 20 or int(size) > ctx.settings.max_upload_bytes:
         # Before any byte of the body is read: the decoded size is what verifying costs.
@@ -183,10 +184,8 @@ def _pushed_manifest(request: Request, ctx: Context, body: Any,
         raise OciError(400, "MANIFEST_INVALID", "give the manifest's canonical JSON")
     repository = repository_param(body.get("repository"))
     require(request, ctx, repository, "push")
-    tag = body.get("tag")
+    tag = tag_param(body["tag"]) if body.get("tag") is not None else None
     try:
-        if tag is not None:
-            Reference.parse(f"{repository}:{tag}")
         labels = check_labels({str(k): str(v) for k, v in (body.get("labels") or {}).items()})
         raw = body["manifest"].encode()
         if len(raw) > ctx.settings.max_manifest_bytes:
@@ -247,13 +246,7 @@ def tag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
         raise OciError(400, "UNSUPPORTED", "give repository, tag and digest")
     repository = repository_param(body.get("repository"))
     require(request, ctx, repository, "push")
-    name = body.get("tag")
-    if not isinstance(name, str):
-        raise OciError(400, "NAME_INVALID", "give the tag as a string")
-    try:
-        Reference.parse(f"{repository}:{name}")
-    except UsageError as e:
-        raise OciError(400, "NAME_INVALID", e.human()) from None
+    name = tag_param(body.get("tag"))
     digest = digest_param(str(body.get("digest")))
     visible_in(request, ctx, digest)  # only what the caller may read can be tagged
     _, _, detail = event_fields(body)
@@ -267,9 +260,7 @@ def untag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
         raise OciError(400, "UNSUPPORTED", "give repository and tag")
     repository = repository_param(body.get("repository"))
     require(request, ctx, repository, "delete")
-    name = body.get("tag")
-    if not isinstance(name, str):
-        raise OciError(400, "NAME_INVALID", "give the tag as a string")
+    name = tag_param(body.get("tag"))
     digest = ctx.catalog.remove_tag(repository, name, ctx.event_record(
         request, "untag", repository=repository, tag=name))
     return {"digest": str(digest)}
@@ -285,6 +276,7 @@ def add_event(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
                        "event a client records itself")
     repository = body.get("repository")
     digest = digest_param(str(body["digest"])) if body.get("digest") else None
+    tag_name = tag_param(body["tag"]) if body.get("tag") is not None else None
     if repository is not None:
         require(request, ctx, repository_param(repository), "pull")
     if digest is not None:
@@ -293,10 +285,8 @@ def add_event(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
             raise OciError(404, "NAME_UNKNOWN", f"artifact {digest} is not in {repository}")
     if repository is None and digest is None:
         require(request, ctx, "*", "admin")
-    tag_name = body.get("tag")
-    ctx.event(request, action, outcome=outcome, repository=repository,
-              tag=str(tag_name) if tag_name is not None else None, digest=digest,
-              detail=detail)
+    ctx.event(request, action, outcome=outcome, repository=repository, tag=tag_name,
+              digest=digest, detail=detail)
     return {}
 
 
@@ -314,6 +304,9 @@ def add_attestation(request: Request, ctx: Context, body: Any) -> dict[str, Any]
         raise OciError(400, "MANIFEST_INVALID", f"invalid statement: {e.human()}") from None
     except (KeyError, TypeError, ValueError, AttributeError, UsageError) as e:
         raise OciError(400, "UNSUPPORTED", f"malformed attestation: {e}") from None
+    short_text(record_in.predicate_type, "the predicate type")
+    if record_in.keyid is not None:
+        short_text(record_in.keyid, "the key id")
     digest = record_in.artifact
     if all(s.digest != digest for s in statement.subjects):
         raise OciError(400, "MANIFEST_INVALID", f"the statement is not about {digest}")

@@ -4,7 +4,6 @@ error shape; the same tokens and scopes as /v2/."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,8 +19,8 @@ from kvgraft.oci import graft as ocigraft
 from kvgraft.reference import Reference
 from kvgraft.server import content
 from kvgraft.server.context import Context
-from kvgraft.server.endpoint import endpoint_of, principal_of, require
-from kvgraft.server.errors import OciError
+from kvgraft.server.endpoint import endpoint_of, json_body, principal_of, require
+from kvgraft.server.errors import OciError, digits
 
 PREFIX = "/kvgraft/v1"
 MAX_BODY = 16 << 20
@@ -105,11 +104,16 @@ def match(request: Request, ctx: Context) -> dict[str, Any]:
     if raw is None or len(raw) > MAX_BODY:
         raise OciError(400, "UNSUPPORTED",
                        'give ?q={"model": {architecture, tokenizer, weights}, "tokens": [...]}')
+    query = json_body(raw.encode("utf-8", "replace"))
+    model, tokens = (query.get("model"), query.get("tokens")) if isinstance(query, dict) \
+        else (None, None)
+    if not isinstance(model, dict) or not isinstance(tokens, list) or not all(
+            type(t) is int for t in tokens):
+        raise OciError(400, "UNSUPPORTED", "a match query is {\"model\": {...}, "
+                       "\"tokens\": [integers]}")
     try:
-        query = json.loads(raw)
-        identity = ModelIdentity.from_json(query["model"])
-        tokens = [int(t) for t in query["tokens"]]
-    except (ValueError, KeyError, TypeError, UsageError) as e:
+        identity = ModelIdentity.from_json(model)
+    except (ValueError, KeyError, TypeError, AttributeError, UsageError) as e:
         raise OciError(400, "UNSUPPORTED", f"malformed match query: {e}") from None
     found = prefix_match(ctx.registry, identity, tokens)
     if found is None:
@@ -149,7 +153,7 @@ def stored(request: Request, ctx: Context) -> Response:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is missing from the store")
     start = 0
     rng = request.headers.get("range", "")
-    if rng.startswith("bytes=") and rng.endswith("-") and rng[6:-1].isdigit():
+    if rng.startswith("bytes=") and rng.endswith("-") and digits(rng[6:-1]):
         start = int(rng[6:-1])
         if start >= info.stored_size:
             return Response(status_code=416,

@@ -234,7 +234,6 @@ def _offset(query: Search, given: str) -> int:
     """The listing's offset, once the search text is known to be short enough."""
     if max(len(query.name), len(query.label), len(query.model)) > _QUERY_MAX:
         raise UsageError(f"search text is longer than {_QUERY_MAX} characters")
-    try:
-        return max(0, int(given))
-    except ValueError:
-        raise UsageError("offset must be a whole number") from None
+    if not (given.isascii() and given.isdigit() and len(given) <= 9):
+        raise UsageError("offset must be a whole number below 10**9")
+    return int(given)

@@ -1,0 +1,132 @@
+"""Tenants that share a `kvgraft serve` and its store but not trust, against a real server
+on SQLite and on PostgreSQL: what one learns of or does to another's artifacts through
+content both hold, and inputs each database must refuse the same way (docs/security.md)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.support.serve import Server, catalog_env, kvgraft, make_token, running_server
+from tests.support.serve import server_env as node_env
+from tests.support.synthetic import write_synthetic
+
+V1 = "/kvgraft/v1"
+
+
+@dataclass(frozen=True)
+class World:
+    server: Server
+    tokens: dict[str, str]  # a: team/*, b: other/*, admin: everything
+    nodes: dict[str, dict[str, str]]  # a kvgraft home per tenant, remote "hub"
+    graft: Path  # content both tenants push
+    shared: str  # its digest, pushed first by b into other/secret:q4
+    root: Path
+
+    def get(self, who: str | None, path: str, **params: Any) -> requests.Response:
+        return requests.get(f"{self.server.url}{path}", params=params,
+                            headers=_auth(self.tokens.get(who or "")), timeout=30)
+
+    def post(self, who: str | None, path: str, body: Any, **headers: str,
+             ) -> requests.Response:
+        data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return requests.post(f"{self.server.url}{path}", data=data, timeout=30,
+                             headers={"Content-Type": "application/json",
+                                      **_auth(self.tokens.get(who or "")), **headers})
+
+    def cli(self, who: str, *args: str) -> str:
+        return kvgraft(self.nodes[who], "--remote", "hub", *args)
+
+
+def _auth(secret: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"} if secret else {}
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          ) -> Iterator[World]:
+    root = tmp_path_factory.mktemp(f"tenancy-{request.param}")
+    with catalog_env(request, root / "server") as env:
+        tokens = {"a": make_token(env, "a", "repository:team/*:pull,push,delete"),
+                  "b": make_token(env, "b", "repository:other/*:pull,push"),
+                  "admin": make_token(env, "root", "repository:*:admin")}
+        with running_server(env, root / "server.log", "--public", "open/*") as server:
+            nodes = {}
+            for who in ("a", "b"):
+                nodes[who] = node_env(root / f"node-{who}")
+                (root / f"{who}.token").write_text(tokens[who] + "\n")
+                kvgraft(nodes[who], "remote", "add", "hub", server.url, "--token-file",
+                        str(root / f"{who}.token"))
+            graft = root / "shared.safetensors"
+            write_synthetic(graft, tokens=96)
+            shared = kvgraft(nodes["b"], "--remote", "hub", "push", str(graft),
+                             "other/secret:q4", "--chunk-tokens", "32",
+                             "--label", "owner=other").split()[0]
+            yield World(server, tokens, nodes, graft, shared, root)
+            assert server.alive()
+        assert "Traceback" not in (root / "server.log").read_text()
+
+
+def _code(r: requests.Response) -> str:
+    return str(r.json()["errors"][0]["code"])
+
+
+# --- inputs both databases refuse alike ------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    (f"{V1}/events", {"action": "pull", "outcome": "o" * 33, "repository": "team/x"}),
+    (f"{V1}/events", {"action": "pull", "repository": "team/x", "tag": "t" * 129}),
+    (f"{V1}/events", {"action": "pull\u0000", "repository": "team/x"}),
+    (f"{V1}/events", {"action": "pull", "repository": "team/x", "detail": {"k": "\udc80"}}),
+    (f"{V1}/events", {"action": "pull", "repository": "team/x", "detail": {"n": 10**30}}),
+    (f"{V1}/tag", {"repository": "team/x", "tag": "t" * 129, "digest": "sha256:" + "0" * 64}),
+    (f"{V1}/tag", {"repository": "team/x", "tag": 7, "digest": "sha256:" + "0" * 64}),
+    (f"{V1}/push", {"repository": "team/x", "manifest": "{\udc80}"}),
+    (f"{V1}/push", "[" * 100_000 + "]" * 100_000),
+    (f"{V1}/blob-records", '{"digests": ' + "[" * 5000 + "]" * 5000 + "}"),
+])
+def test_bad_json_is_a_400_on_both_databases(world: World, path: str, body: Any) -> None:
+    r = world.post("a", path, body)
+    assert r.status_code == 400, (r.status_code, r.text[:300])
+
+
+def test_column_limits_hold_at_their_edge(world: World) -> None:
+    """What fits the columns is stored on both databases; one more character is a 400."""
+    ok = world.post("a", f"{V1}/events", {"action": "a" * 64, "outcome": "o" * 32,
+                                          "repository": "team/x", "tag": "t" * 128})
+    assert ok.status_code == 200, ok.text
+    r = world.post("a", f"{V1}/events", {"action": "a" * 65, "repository": "team/x"})
+    assert r.status_code == 400
+
+
+def test_oci_manifest_media_type_and_nesting_are_refused(world: World) -> None:
+    def put(doc: Any) -> requests.Response:
+        return requests.put(f"{world.server.url}/v2/team/x/manifests/v1", data=doc,
+                            headers={**_auth(world.tokens["a"]), "Content-Type":
+                                     "application/vnd.oci.image.manifest.v1+json"}, timeout=30)
+
+    long_type = json.dumps({"schemaVersion": 2, "mediaType": "application/" + "x" * 250,
+                            "config": {}, "layers": []})
+    assert put(long_type).status_code == 400
+    assert put('{"schemaVersion": 2, "annotations": ' + "[" * 10_000 + "]" * 10_000 + "}",
+               ).status_code == 400
+    assert put('{"schemaVersion": 2, "mediaType": "\\ud800"}').status_code == 400
+
+
+def test_match_and_events_queries_with_wrong_types_are_400(world: World) -> None:
+    model = {"architecture": world.shared, "tokenizer": world.shared}
+    for q in [{"model": "x", "tokens": [1]}, {"model": model, "tokens": [10**30]},
+              {"model": model, "tokens": "abc"}, [1, 2], {"model": model, "tokens": [True]}]:
+        r = world.get("a", f"{V1}/match", q=json.dumps(q))
+        assert r.status_code == 400, (q, r.status_code, r.text[:200])
+    for limit in [str(10**30), "²", "-1", "1e3"]:
+        r = world.get("admin", f"{V1}/events", limit=limit)
+        assert r.status_code == 400, (limit, r.status_code)
+    assert world.get("admin", f"{V1}/tags", pattern="team/\x00").status_code == 400
