@@ -18,6 +18,7 @@ from tests.support.serve import server_env as node_env
 from tests.support.synthetic import write_synthetic
 
 V1 = "/kvgraft/v1"
+IDS = list(range(1000, 1096))  # the shared graft's tokens; team/short holds the first 64
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,10 @@ def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                 kvgraft(nodes[who], "remote", "add", "hub", server.url, "--token-file",
                         str(root / f"{who}.token"))
             graft = root / "shared.safetensors"
-            write_synthetic(graft, tokens=96)
-            shared = kvgraft(nodes["b"], "--remote", "hub", "push", str(graft),
-                             "other/secret:q4", "--chunk-tokens", "32",
-                             "--label", "owner=other").split()[0]
+            write_synthetic(graft, token_ids=IDS)
+            shared = json.loads(kvgraft(nodes["b"], "--remote", "hub", "push", str(graft),
+                                        "other/secret:q4", "--chunk-tokens", "32", "--json",
+                                        "--label", "owner=other"))["digest"]
             yield World(server, tokens, nodes, graft, shared, root)
             assert server.alive()
         assert "Traceback" not in (root / "server.log").read_text()
@@ -130,3 +131,106 @@ def test_match_and_events_queries_with_wrong_types_are_400(world: World) -> None
         r = world.get("admin", f"{V1}/events", limit=limit)
         assert r.status_code == 400, (limit, r.status_code)
     assert world.get("admin", f"{V1}/tags", pattern="team/\x00").status_code == 400
+
+
+# --- what a tenant learns through content another holds ---------------------------------
+
+
+def _events(r: requests.Response) -> list[dict[str, Any]]:
+    assert r.status_code == 200, r.text
+    return list(r.json()["events"])
+
+
+def test_log_by_digest_only_through_a_repository_that_holds_it(world: World) -> None:
+    hidden = world.get("a", f"{V1}/log", ref=f"team/anything@{world.shared}")
+    unknown = world.get("a", f"{V1}/log", ref="team/anything@sha256:" + "5" * 64)
+    assert hidden.status_code == unknown.status_code == 404
+    assert _code(hidden) == _code(unknown)
+    assert hidden.json()["errors"][0]["message"].replace(world.shared, "D") == \
+        unknown.json()["errors"][0]["message"].replace("sha256:" + "5" * 64, "D")
+    world.cli("a", "push", str(world.graft), "team/logged:v1", "--chunk-tokens", "32")
+    mine = _events(world.get("a", f"{V1}/log", ref=f"team/logged@{world.shared}"))
+    assert mine and all(e["repository"].startswith("team/") for e in mine)
+    assert all(e["actor"] != "token:b" for e in mine)
+    by_digest = _events(world.get("a", f"{V1}/events", digest=world.shared))
+    assert by_digest and all(e["repository"].startswith("team/") for e in by_digest)
+    theirs = world.get("admin", f"{V1}/log", ref=f"other/secret@{world.shared}")
+    assert any(e["repository"] == "other/secret" for e in _events(theirs))
+
+
+def _push_json(world: World, who: str, path: Path, ref: str) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(world.cli(who, "push", str(path), ref, "--chunk-tokens",
+                                               "32", "--json"))
+    return out
+
+
+def test_pushing_content_another_tenant_holds_reveals_nothing(world: World) -> None:
+    """The answer to a push of bytes another tenant already stored is the answer to a
+    first push: blobs stored, artifact created."""
+    fresh = world.root / "fresh.safetensors"
+    write_synthetic(fresh, token_ids=IDS, seed=7, name="fresh")
+    first = _push_json(world, "b", fresh, "other/fresh:v1")
+    again = _push_json(world, "a", fresh, "team/fresh:v1")
+    assert first["blobs_stored"] > 0 and first["created"]
+    for key in ("blobs_stored", "created", "stored_bytes"):
+        if key in first:
+            assert again[key] == first[key], (key, first, again)
+
+
+def _model_of(world: World, who: str, ref: str) -> dict[str, Any]:
+    info = world.get(who, f"{V1}/artifact", ref=ref).json()
+    return {k: info["model"][k] for k in ("architecture", "tokenizer", "weights")}
+
+
+def test_match_searches_only_readable_repositories(world: World) -> None:
+    ids = list(range(5000, 5096))
+    longer, short = world.root / "long.safetensors", world.root / "short.safetensors"
+    write_synthetic(longer, token_ids=ids, seed=2)
+    write_synthetic(short, token_ids=ids[:64], seed=3)
+    theirs = _push_json(world, "b", longer, "other/long:v1")["digest"]
+    mine = _push_json(world, "a", short, "team/short:v1")["digest"]
+    q = json.dumps({"model": _model_of(world, "a", "team/short:v1"), "tokens": ids})
+    # b's 96-token graft is longer; it neither answers a nor hides a's own 64 tokens.
+    found = world.get("a", f"{V1}/match", q=q).json()["match"]
+    assert found is not None and found["digest"] == mine and found["length"] == 64
+    assert found["references"] == ["team/short:v1"]
+    other = world.get("b", f"{V1}/match", q=q).json()["match"]
+    assert other["digest"] == theirs and other["length"] == 96
+    assert other["references"] == ["other/long:v1"]
+    # A guessed sequence only b holds: the same answer as one nobody holds.
+    guess = json.dumps({"model": _model_of(world, "a", "team/short:v1"),
+                        "tokens": [*ids[:64], 1, 2, 3]})
+    nobody = json.dumps({"model": _model_of(world, "a", "team/short:v1"), "tokens": [7, 8]})
+    assert world.get("a", f"{V1}/match", q=guess).json()["match"]["length"] == 64
+    assert world.get("a", f"{V1}/match", q=nobody).json() == {"match": None}
+
+
+def test_match_names_only_readable_references(world: World) -> None:
+    world.cli("a", "push", str(world.graft), "team/named:v1", "--chunk-tokens", "32")
+    q = json.dumps({"model": _model_of(world, "a", "team/named:v1"), "tokens": IDS})
+    found = world.get("a", f"{V1}/match", q=q).json()["match"]
+    assert found["digest"] == world.shared and found["length"] == 96
+    assert found["references"] and all(r.startswith("team/") for r in found["references"])
+
+
+def test_models_lists_models_of_readable_repositories(world: World) -> None:
+    private = world.root / "private.safetensors"
+    write_synthetic(private, tokens=16, name="board-minutes-model")
+    world.cli("b", "push", str(private), "other/private:v1", "--chunk-tokens", "16")
+
+    def names(who: str) -> set[str]:
+        r = world.get(who, f"{V1}/models")
+        assert r.status_code == 200, r.text
+        return {m["name"] for m in r.json()["models"]}
+
+    assert "board-minutes-model" in names("b") and "board-minutes-model" in names("admin")
+    assert "board-minutes-model" not in names("a")
+
+
+def test_a_pattern_matching_the_name_star_is_not_admin(world: World) -> None:
+    for i, pattern in enumerate(("?", "*?", "?*")):
+        secret = make_token(world.server.env, f"star{i}", f"repository:{pattern}:admin")
+        world.tokens[f"p:{pattern}"] = secret
+        assert world.get(f"p:{pattern}", f"{V1}/events").status_code == 403, pattern
+        assert world.get(f"p:{pattern}", f"{V1}/log").status_code == 403, pattern
+    assert world.get("admin", f"{V1}/events").status_code == 200

@@ -24,9 +24,11 @@ from kvgraft.server.endpoint import (
     MAX_ACTION,
     MAX_DIGESTS,
     digest_param,
+    is_admin,
     principal_of,
+    readable_event,
     repository_param,
-    require,
+    require_admin,
     visible_in,
 )
 from kvgraft.server.errors import OciError, digits
@@ -53,7 +55,7 @@ def tags(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     found = ctx.catalog.list_tags(pattern, problems=problems)
     if pattern:
         found = tuple(t for t in found if fnmatch.fnmatchcase(t.repository, pattern))
-    admin = principal.may(ctx.settings, "*", "admin")
+    admin = is_admin(principal)
     return {"tags": [wire.tag_json(t) for t in found
                      if principal.may(ctx.settings, t.repository, "pull")],
             "problems": problems if admin else []}
@@ -101,7 +103,7 @@ def events(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     if digest is not None:
         visible_in(request, ctx, digest)
     else:  # the whole log names every repository: admin only
-        require(request, ctx, "*", "admin")
+        require_admin(request, ctx)
     principal: Principal = request.state.principal
     limit = q.get("limit") or None
     if limit is not None and not digits(limit, 9):
@@ -116,8 +118,7 @@ def events(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     found = ctx.catalog.events(digest=digest, action=action, since=since,
                                limit=int(limit) if limit else None)
     return {"events": [wire.event_json(e) for e in found
-                       if e.repository is None
-                       or principal.may(ctx.settings, e.repository, "pull")]}
+                       if readable_event(ctx, principal, e)]}
 
 
 def attestations(request: Request, ctx: Context, _: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from kvgraft.client import check_labels
 from kvgraft.codecs.codec import max_stored_size, parse_frame
 from kvgraft.codecs.stream import decoded_pieces, reader_at, seekable, stored_header
 from kvgraft.digest import Digest
-from kvgraft.errors import Conflict, IntegrityError, RegistryError, UsageError
+from kvgraft.errors import Conflict, IntegrityError, NotFound, RegistryError, UsageError
 from kvgraft.formats.manifest import BlobRef, Manifest
 from kvgraft.remote import wire
 from kvgraft.server.context import Context
@@ -30,6 +30,7 @@ from kvgraft.server.endpoint import (
     event_fields,
     repository_param,
     require,
+    require_admin,
     short_text,
     tag_param,
     visible_in,
@@ -97,26 +98,32 @@ async def _drain(request: Request, limit: int) -> None:
 def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
                   path: Path) -> dict[str, Any]:
     """The first good copy wins; one that no longer verifies is replaced (so pushing a
-    file again repairs it). The repository then holds the blob."""
+    file again repairs it). The repository then holds the blob.
+
+    The answer describes this upload as this repository sees it: `stored` is whether the
+    repository did not hold the blob before, and the size and codec are those of the bytes
+    sent. Whether another repository's copy was already in the store is not said: that
+    would tell a tenant which content others hold (docs/security.md)."""
     try:
         with open(path, "rb") as f:
             _check_stream(f, digest, size)
+            codec = stored_header(reader_at(f))[0]
     except IntegrityError as e:
         raise OciError(400, "DIGEST_INVALID", f"the upload of blob {digest} is corrupt: "
                        f"{e.message}") from None
+    new_here = ctx.oci.blob_size(repository, str(digest)) is None
     store = ctx.store
-    stored = False
     present = store.stat(digest) is not None
     kept = _checked_record(store, digest, size) if present else None
     if kept is None:
-        stored = _put_file(store, digest, path, replace=present)
+        _put_file(store, digest, path, replace=present)
         kept = _checked_record(store, digest, size)
         if kept is None:
             raise OciError(503, "UNAVAILABLE", f"blob {digest} did not read back intact")
     ctx.catalog.refresh_blobs([kept])
     ctx.oci.link_blob(repository, str(digest), size)
-    return {"digest": str(digest), "stored": stored, "stored_size": kept.stored_size,
-            "codec": kept.codec}
+    return {"digest": str(digest), "stored": new_here, "stored_size": path.stat().st_size,
+            "codec": codec}
 
 
 def _check_stream(f: BinaryIO, digest: Digest, size: int) -> None:
@@ -229,6 +236,7 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
                              repository=repository, tag=tag, digest=manifest.digest,
                              detail=detail)
     catalog = ctx.catalog
+    new_here = not _in_repository(ctx, repository, manifest.digest)
     outcome = catalog.record_push(PushRecord(manifest, tuple(records), repository, tag,
                                              labels, event))
 
@@ -237,8 +245,17 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
                        hint="push again")
 
     ensure_blobs(catalog, ctx.store, manifest, lost)
-    return {"digest": str(manifest.digest), "created": outcome.created,
+    # `created` as this repository sees it: whether another tenant pushed the same
+    # content first is not this caller's to learn.
+    return {"digest": str(manifest.digest), "created": new_here,
             "previous": str(outcome.previous) if outcome.previous else None}
+
+
+def _in_repository(ctx: Context, repository: str, digest: Digest) -> bool:
+    try:
+        return repository in ctx.catalog.artifact(digest).repositories
+    except NotFound:
+        return False
 
 
 def tag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
@@ -283,8 +300,11 @@ def add_event(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
         visible = visible_in(request, ctx, digest)
         if repository is not None and repository not in visible:
             raise OciError(404, "NAME_UNKNOWN", f"artifact {digest} is not in {repository}")
+        # Recorded in a repository of the caller's that holds the artifact: an event in
+        # no repository is shown to admins only (its actor is the caller's business).
+        repository = repository if repository is not None else visible[0]
     if repository is None and digest is None:
-        require(request, ctx, "*", "admin")
+        require_admin(request, ctx)
     ctx.event(request, action, outcome=outcome, repository=repository, tag=tag_name,
               digest=digest, detail=detail)
     return {}

@@ -12,6 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from kvgraft import strictjson
+from kvgraft.catalog.records import EventRecord
 from kvgraft.digest import Digest
 from kvgraft.errors import NotFound, RegistryError, UsageError
 from kvgraft.reference import check_name, check_tag
@@ -47,6 +48,28 @@ def require(request: Request, ctx: Context, repository: str, action: str) -> Pri
     if not principal.may(ctx.settings, repository, action):
         raise ctx.refuse(request, principal, repository, action)
     return principal
+
+
+def is_admin(principal: Principal) -> bool:
+    return principal.token is not None and principal.token.is_admin
+
+
+def require_admin(request: Request, ctx: Context) -> Principal:
+    """A caller with admin over every repository (kvgraft.tokens.Token.is_admin): a
+    repository named `*` does not exist, so checking a scope against that name would let
+    a pattern matching it (`?`) pass."""
+    principal = principal_of(request, ctx)
+    if not is_admin(principal):
+        raise ctx.refuse(request, principal, "*", "admin")
+    return principal
+
+
+def readable_event(ctx: Context, principal: Principal, event: EventRecord) -> bool:
+    """An event the caller may read: one in a repository it may pull; one in no repository
+    (whose actor and host could be anyone's) only for an admin."""
+    if event.repository is None:
+        return is_admin(principal)
+    return principal.may(ctx.settings, event.repository, "pull")
 
 
 def digest_param(text: str) -> Digest:
