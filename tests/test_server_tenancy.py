@@ -5,6 +5,8 @@ content both hold, and inputs each database must refuse the same way (docs/secur
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,3 +236,69 @@ def test_a_pattern_matching_the_name_star_is_not_admin(world: World) -> None:
         assert world.get(f"p:{pattern}", f"{V1}/events").status_code == 403, pattern
         assert world.get(f"p:{pattern}", f"{V1}/log").status_code == 403, pattern
     assert world.get("admin", f"{V1}/events").status_code == 200
+
+
+# --- attestations and events count only where the reader trusts them -------------------
+
+
+def _pull_verified(world: World, who: str, ref: str) -> int:
+    r = subprocess.run([sys.executable, "-m", "kvgraft.cli", "--remote", "hub", "pull", ref,
+                        "-o", str(world.root / f"{who}-out.safetensors"), "--require-verified"],
+                       env=world.nodes[who], capture_output=True, text=True, timeout=120)
+    return r.returncode
+
+
+def test_another_tenants_attestation_does_not_satisfy_require_verified(world: World) -> None:
+    from kvgraft.digest import Digest
+    from kvgraft.identity.model import ModelIdentity
+    from kvgraft.provenance.statement import FIDELITY, fidelity_statement
+
+    assert _pull_verified(world, "b", "other/secret:q4") == 4
+    world.cli("a", "push", str(world.graft), "team/forge:v1", "--chunk-tokens", "32")
+    model = ModelIdentity.from_json(_model_of(world, "a", "team/forge:v1"))
+    statement = fidelity_statement(Digest.parse(world.shared), model, True)
+    posted = world.post("a", f"{V1}/attestations", {
+        "attestation": {"artifact": world.shared, "predicate_type": FIDELITY,
+                        "statement": statement.canonical().decode(), "envelope": None,
+                        "keyid": None},
+        "event": {"action": "attest", "repository": "team/forge"}})
+    assert posted.status_code == 200, posted.text
+    # A plain event cannot carry an attestation's anchor, whatever repository it names.
+    forged = world.post("a", f"{V1}/events", {
+        "action": "verify", "repository": "team/forge", "digest": world.shared,
+        "detail": {"statement_digest": str(statement.digest)}})
+    assert forged.status_code == 400
+    assert _pull_verified(world, "b", "other/secret:q4") == 4
+    seen = world.get("b", f"{V1}/attestations/{world.shared}").json()
+    assert seen["attestations"] == [] and seen["recorded"] == {}
+    # In its own repository the statement counts for its author.
+    assert _pull_verified(world, "a", "team/forge:v1") == 0
+
+
+def test_anonymous_clients_cannot_append_events(world: World) -> None:
+    public = world.root / "public.safetensors"
+    write_synthetic(public, tokens=16, seed=11)
+    digest = kvgraft(world.server.env, "push", str(public), "open/pub:v1",
+                     "--chunk-tokens", "16").split()[0]
+    assert world.get(None, f"{V1}/resolve", ref="open/pub:v1").status_code == 200
+    for body in [{"action": "pull", "repository": "open/pub"},
+                 {"action": "pull", "repository": "open/pub", "digest": digest},
+                 {"action": "pull", "digest": digest}]:
+        r = world.post(None, f"{V1}/events", body)
+        assert r.status_code == 401, (body, r.status_code, r.text)
+    assert world.post("a", f"{V1}/events", {"action": "pull", "repository": "team/x"},
+                      ).status_code == 200
+
+
+def test_labels_belong_to_the_repository_not_the_shared_bytes(world: World) -> None:
+    world.cli("a", "push", str(world.graft), "team/labelled:v1", "--chunk-tokens", "32",
+              "--label", "owner=team", "--label", "approved=no")
+    theirs = world.get("b", f"{V1}/labels", ref="other/secret:q4").json()["labels"]
+    mine = world.get("a", f"{V1}/labels", ref="team/labelled:v1").json()["labels"]
+    assert theirs == {"owner": "other"}
+    assert mine == {"owner": "team", "approved": "no"}
+    inspected = json.loads(world.cli("b", "inspect", "other/secret:q4", "--json"))
+    assert inspected["labels"] == {"owner": "other"}
+    record = world.get("a", f"{V1}/record/{world.shared}").json()["artifact"]
+    assert all(r.startswith("team/") for r in record["repository_labels"])
+    assert record["labels"].get("owner") != "other"

@@ -39,10 +39,16 @@ from kvgraft.server.errors import OciError, digits
 def record(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     digest = digest_param(request.path_params["digest"])
     visible = visible_in(request, ctx, digest)
-    r = ctx.catalog.artifact(digest)
+    repository = request.query_params.get("repository") or None
+    r = ctx.catalog.artifact(digest, repository if repository in visible else None)
     out = wire.artifact_json(r)
     out["repositories"] = list(visible)
     out["tags"] = [wire.tag_json(t) for t in r.tags if t.repository in visible]
+    # Labels of the repositories the caller reads, never another tenant's.
+    mine = {k: dict(v) for k, v in r.repository_labels.items() if k in visible}
+    out["repository_labels"] = mine
+    out["labels"] = mine.get(repository, {}) if repository else {
+        k: v for repo in sorted(mine, reverse=True) for k, v in mine[repo].items()}
     return {"artifact": out}
 
 
@@ -122,12 +128,21 @@ def events(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
 
 
 def attestations(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    """The attestations recorded in repositories the caller may read: another tenant's
+    statement about the same bytes is neither shown nor counted by the caller's policy
+    (docs/security.md)."""
     digest = digest_param(request.path_params["digest"])
     visible_in(request, ctx, digest)
+    principal: Principal = request.state.principal
+    homes = ctx.attestation_homes(digest)
+    shown = {i for i, repos in homes.items()
+             if is_admin(principal) or any(principal.may(ctx.settings, r, "pull")
+                                           for r in repos)}
     catalog = ctx.catalog
     found = catalog.attestations(digest, request.query_params.get("predicate_type") or None)
-    return {"attestations": [wire.attestation_json(a) for a in found],
-            "recorded": {str(k): v for k, v in catalog.attestation_digests(digest).items()}}
+    return {"attestations": [wire.attestation_json(a) for a in found if a.id in shown],
+            "recorded": {str(k): v for k, v in catalog.attestation_digests(digest).items()
+                         if k in shown}}
 
 
 def children(request: Request, ctx: Context, _: Any) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from kvgraft.server.endpoint import (
     RESERVED,
     digest_param,
     event_fields,
+    principal_of,
     repository_param,
     require,
     require_admin,
@@ -291,6 +292,11 @@ def add_event(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     if not action or action in RESERVED:
         raise OciError(400, "UNSUPPORTED", f"{action or 'an empty action'!r} is not an "
                        "event a client records itself")
+    if "statement_digest" in detail:  # an attestation's anchor: written with it, only
+        raise OciError(400, "UNSUPPORTED", "statement_digest is recorded with an "
+                       "attestation (POST /attestations), not as a plain event")
+    if principal_of(request, ctx).token is None:  # the log is append-only: no anonymous
+        raise ctx.refuse(request, request.state.principal, None, "push")
     repository = body.get("repository")
     digest = digest_param(str(body["digest"])) if body.get("digest") else None
     tag_name = tag_param(body["tag"]) if body.get("tag") is not None else None
@@ -336,7 +342,9 @@ def add_attestation(request: Request, ctx: Context, body: Any) -> dict[str, Any]
         body.get("event"), dict) else None
     stored = AttestationRecord(digest, record_in.predicate_type, record_in.statement,
                                record_in.envelope, record_in.keyid)
+    # The anchor is the stored statement's digest, whatever the client said it was.
     event = ctx.event_record(request, "sign" if action == "sign" else "attest",
                              repository=event_repo if event_repo in visible else visible[0],
-                             digest=digest, detail=detail)
+                             digest=digest, detail={
+                                 **detail, "statement_digest": str(stored.statement_digest)})
     return {"id": ctx.catalog.add_attestation(stored, event)}

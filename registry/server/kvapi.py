@@ -76,7 +76,7 @@ def artifact(request: Request, ctx: Context) -> dict[str, Any]:
 def labels(request: Request, ctx: Context) -> dict[str, Any]:
     ref = _ref(request)
     require(request, ctx, ref.name, "pull")
-    record = ctx.catalog.artifact(ctx.catalog.resolve(ref))
+    record = ctx.catalog.artifact(ctx.catalog.resolve(ref), ref.name)
     return {"digest": str(record.digest), "labels": dict(record.labels)}
 
 

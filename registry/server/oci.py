@@ -587,7 +587,7 @@ def _referrers(request: Request, ctx: Context, name: str, subject_text: str) -> 
         descriptors.append(d)
     artifact = ctx.oci.graft_for(name, subject)
     if artifact is not None:  # a graft: its attestations and signatures refer to it
-        for att in ctx.attestations(Digest.parse(artifact)):
+        for att in ctx.attestations(Digest.parse(artifact), within=name):
             if wanted is None or att.artifact_type == wanted:
                 descriptors.append({"mediaType": ocigraft.OCI_MANIFEST, "digest": att.digest,
                                     "size": len(att.manifest),
