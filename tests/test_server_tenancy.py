@@ -4,7 +4,10 @@ content both hold, and inputs each database must refuse the same way (docs/secur
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -302,3 +305,95 @@ def test_labels_belong_to_the_repository_not_the_shared_bytes(world: World) -> N
     record = world.get("a", f"{V1}/record/{world.shared}").json()["artifact"]
     assert all(r.startswith("team/") for r in record["repository_labels"])
     assert record["labels"].get("owner") != "other"
+
+
+# --- the web page ------------------------------------------------------------------------
+
+
+def test_web_page_answers_hidden_and_missing_alike(world: World) -> None:
+    hidden_src = world.root / "hidden.safetensors"
+    write_synthetic(hidden_src, tokens=16, seed=21)
+    hidden = _push_json(world, "b", hidden_src, "other/hidden:v1")["digest"]
+    missing = "sha256:" + "6" * 64
+    for who in (None, "a"):
+        seen = world.get(who, f"/ui/a/{hidden}")
+        absent = world.get(who, f"/ui/a/{missing}")
+        assert seen.status_code == absent.status_code == (401 if who is None else 404)
+        assert seen.text.replace(hidden, "D") == absent.text.replace(missing, "D")
+
+
+def test_web_page_shows_no_other_tenants_pusher_labels_or_attestations(world: World) -> None:
+    world.cli("a", "push", str(world.graft), "team/page:v1", "--chunk-tokens", "32")
+    page = world.get("a", f"/ui/a/{world.shared}")
+    assert page.status_code == 200
+    assert "token:b" not in page.text and "other/" not in page.text
+    assert "owner=other" not in page.text
+    assert "token:a" in page.text  # the first push the viewer may see is its own
+    theirs = world.get("b", f"/ui/a/{world.shared}")
+    assert "token:a" not in theirs.text and "team/" not in theirs.text
+
+
+def test_json_writes_need_json_and_no_foreign_origin(world: World) -> None:
+    world.cli("a", "push", str(world.graft), "team/csrf:v1", "--chunk-tokens", "32")
+    body = {"repository": "team/csrf", "tag": "forged", "digest": world.shared}
+    basic = {"Authorization": "Basic " + base64.b64encode(
+        f"x:{world.tokens['a']}".encode()).decode()}
+    form = requests.post(f"{world.server.url}{V1}/tag", data=json.dumps(body), timeout=30,
+                         headers={**basic, "Content-Type": "text/plain"})
+    assert form.status_code == 415
+    foreign = requests.post(f"{world.server.url}{V1}/tag", data=json.dumps(body), timeout=30,
+                            headers={**basic, "Content-Type": "application/json",
+                                     "Origin": "https://evil.example"})
+    assert foreign.status_code == 403
+    upload = requests.post(f"{world.server.url}/v2/team/csrf/blobs/uploads/", timeout=30,
+                           headers={**basic, "Origin": "null"})
+    assert upload.status_code == 403
+    tags = world.get("a", f"{V1}/tags", pattern="team/csrf").json()["tags"]
+    assert [t["tag"] for t in tags] == ["v1"]
+    own = requests.post(f"{world.server.url}{V1}/tag", data=json.dumps(body), timeout=30,
+                        headers={**basic, "Content-Type": "application/json",
+                                 "Origin": world.server.url})
+    assert own.status_code == 200, own.text
+
+
+# --- a corrupt stored blob is never served as a complete response ---------------------
+
+
+def _oci_blob(world: World, repo: str, data: bytes) -> str:
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    auth = _auth(world.tokens["a"])
+    start = requests.post(f"{world.server.url}/v2/{repo}/blobs/uploads/", headers=auth,
+                          timeout=30)
+    assert start.status_code == 202, start.text
+    put = requests.put(f"{world.server.url}{start.headers['Location']}",
+                       params={"digest": digest}, data=data, timeout=60,
+                       headers={**auth, "Content-Type": "application/octet-stream"})
+    assert put.status_code == 201, put.text
+    return digest
+
+
+def _corrupt_last_byte(world: World, digest: str) -> None:
+    found = [p for p in (world.root / "server").rglob(digest[9:]) if p.is_file()]
+    assert len(found) == 1, found
+    raw = bytearray(found[0].read_bytes())
+    raw[-1] ^= 0xFF
+    found[0].write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("size", [100_000, 6 << 20])
+def test_corrupt_raw_oci_blob_is_never_a_clean_200(world: World, size: int) -> None:
+    data = os.urandom(size)
+    digest = _oci_blob(world, "team/raw", data)
+    _corrupt_last_byte(world, digest)
+    url = f"{world.server.url}/v2/team/raw/blobs/{digest}"
+    with requests.get(url, headers=_auth(world.tokens["a"]), stream=True, timeout=60) as r:
+        if size <= 4 << 20:  # checked before the status line
+            assert r.status_code == 500, r.status_code
+            return
+        assert r.status_code == 200
+        got = bytearray()
+        with pytest.raises(requests.exceptions.RequestException):
+            for piece in r.iter_content(1 << 16):
+                got += piece
+        assert len(got) < size and bytes(got) == data[:len(got)]
+    assert world.server.alive()

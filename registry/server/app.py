@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -50,6 +51,32 @@ class HeaderLimit:
             error = OciError(400, "UNSUPPORTED", "NUL in the request URL")
             await error.response()(scope, receive, send)
             return
+        await self.app(scope, receive, send)
+
+
+_UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+class SameOrigin:
+    """Refuse (403) a write a browser sends on behalf of another site: a request with an
+    unsafe method whose Origin header names another host than the one it was sent to. A
+    browser attaches remembered Basic credentials to a cross-site form post; kvgraft,
+    docker and other registry clients send no Origin, and the web page itself writes
+    nothing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in _UNSAFE:
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin")
+            if origin is not None and urlsplit(origin.decode("latin-1")).netloc.lower() \
+                    != headers.get(b"host", b"").decode("latin-1").lower():
+                error = OciError(403, "DENIED", "a write from another site's page is refused "
+                                 f"(Origin {origin.decode('latin-1')[:100]})")
+                await error.response()(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -116,7 +143,7 @@ def create_app(registry_factory: Callable[[], Registry], settings: ServerSetting
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={RegistryError: on_registry_error},
-                    middleware=[Middleware(HeaderLimit)])
+                    middleware=[Middleware(HeaderLimit), Middleware(SameOrigin)])
     if pages:
         app.router.routes.extend(_web_pages(app))
     return app

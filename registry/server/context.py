@@ -41,6 +41,20 @@ def server_store(registry: Registry) -> BlobStore:
     return registry.backends.whole_store("serving", _SERVE_DIRECT)
 
 
+def attestation_homes(catalog: Catalog, artifact: Digest) -> dict[int, frozenset[str]]:
+    """The repositories each attestation of `artifact` was recorded in: those of the
+    attest or sign events anchoring its statement digest. Only the server writes these
+    events (a client's own events cannot carry an anchor), after checking the writer may
+    push there; an attestation counts in its home repositories alone."""
+    by_statement: dict[str, set[str]] = {}
+    for e in catalog.events(digest=artifact):
+        anchor = e.detail.get("statement_digest")
+        if e.action in ANCHORS and e.repository is not None and isinstance(anchor, str):
+            by_statement.setdefault(anchor, set()).add(e.repository)
+    return {i: frozenset(by_statement.get(d, ()))
+            for i, d in catalog.attestation_digests(artifact).items()}
+
+
 @dataclass(frozen=True, slots=True)
 class RenderedAttestation:
     id: int
@@ -135,17 +149,7 @@ class Context:
         return self.graft(digest)[0]
 
     def attestation_homes(self, artifact: Digest) -> dict[int, frozenset[str]]:
-        """The repositories each attestation of `artifact` was recorded in: those of the
-        attest or sign events anchoring its statement digest. Only the server writes
-        these events (a client's own events cannot carry an anchor), after checking the
-        writer may push there; an attestation counts in its home repositories alone."""
-        by_statement: dict[str, set[str]] = {}
-        for e in self.catalog.events(digest=artifact):
-            anchor = e.detail.get("statement_digest")
-            if e.action in ANCHORS and e.repository is not None and isinstance(anchor, str):
-                by_statement.setdefault(anchor, set()).add(e.repository)
-        return {i: frozenset(by_statement.get(d, ()))
-                for i, d in self.catalog.attestation_digests(artifact).items()}
+        return attestation_homes(self.catalog, artifact)
 
     def attestations(self, artifact: Digest,
                      within: str | None = None) -> list[RenderedAttestation]:

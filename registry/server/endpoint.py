@@ -150,6 +150,7 @@ def endpoint_of(fn: Handler, *,
         try:
             payload: Any = None
             if body == "json":
+                _require_json(request)
                 payload = json_body(await read_body(request, MAX_JSON))
             answer = await run_in_threadpool(fn, request, ctx, payload)
         except OciError as e:
@@ -159,6 +160,14 @@ def endpoint_of(fn: Handler, *,
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
     return endpoint
+
+
+def _require_json(request: Request) -> None:
+    """A JSON body says so: a cross-site HTML form can send only text/plain, urlencoded or
+    multipart bodies without the browser asking the server first (CORS preflight)."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise OciError(415, "UNSUPPORTED", "send the body as Content-Type: application/json")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -12,12 +12,12 @@ from urllib.parse import quote, urlencode
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from kvgraft import strictjson
 from kvgraft.catalog.oci import OciManifest
 from kvgraft.digest import Digest
-from kvgraft.errors import NotFound, RegistryError, UsageError
+from kvgraft.errors import IntegrityError, NotFound, RegistryError, UsageError
 from kvgraft.oci import graft as ocigraft
 from kvgraft.reference import Reference, check_name, check_tag
 from kvgraft.server import content
@@ -165,9 +165,15 @@ async def _blob(request: Request, ctx: Context, name: str, ref: str) -> Response
     try:
         body = await run_in_threadpool(content.open_blob, ctx.store, digest, size,
                                        start, end)
+        if body.length <= content.VERIFY_FIRST:  # checked whole before the status line
+            data = await run_in_threadpool(lambda: b"".join(body.pieces))
+            return Response(data, status_code=status, headers=headers)
+    except IntegrityError as e:  # the store is at fault, not the request
+        raise OciError(500, "UNKNOWN", f"stored blob {digest} is corrupt: {e.message}",
+                       detail={"repair": "kvgraft audit; push the content again"}) from None
     except NotFound:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is missing from the store") from None
-    return StreamingResponse(body.pieces, status_code=status, headers=headers)
+    return content.CheckedStream(body.pieces, status_code=status, headers=headers)
 
 
 def _delete_blob(request: Request, ctx: Context, name: str, digest: str) -> Response:
