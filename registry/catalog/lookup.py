@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from sqlalchemy import distinct, select, text
+from sqlalchemy import select, text
 
 from kvgraft.catalog.catalog import Catalog
 from kvgraft.catalog.models import (
@@ -48,7 +48,7 @@ Within = Collection[str] | None  # repositories a match may come from; None: all
 def repositories(catalog: Catalog) -> list[str]:
     """Every repository holding an artifact (what a caller's scopes are matched against)."""
     with catalog._session() as s:
-        return list(s.scalars(select(distinct(RepositoryArtifactRow.repository))))
+        return list(s.scalars(select(RepositoryArtifactRow.repository).distinct()))
 
 
 def _within(query: Any, within: Within) -> Any:
