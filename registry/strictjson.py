@@ -73,6 +73,31 @@ def check(value: Any) -> None:
             stack.extend((v, depth + 1) for v in item)
 
 
+INT64 = 1 << 63
+
+
+def check_storable(value: Any) -> None:
+    """What both SQL catalogs store the same way: no NUL in a string (PostgreSQL text
+    cannot hold one, SQLite keeps it) and integers within a signed 64-bit column. Checked
+    where untrusted JSON enters, so SQLite does not accept what PostgreSQL would fail on."""
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\0" in item:
+                raise RejectedJSON("string holds a NUL character")
+        elif isinstance(item, bool):
+            continue
+        elif isinstance(item, int):
+            if not -INT64 <= item < INT64:
+                raise RejectedJSON(f"integer {str(item)[:24]} does not fit 64 bits")
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def _utf8(text: str) -> None:
     try:
         text.encode("utf-8")

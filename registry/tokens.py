@@ -54,6 +54,12 @@ class Scope:
             return False
         return action in self.actions or "admin" in self.actions
 
+    @property
+    def covers_all(self) -> bool:
+        """Whether the pattern matches every repository name. Only `*` alone does: a
+        pattern that matches the name `*` (`?`, `[*]`) matches one name, not all."""
+        return set(self.pattern) == {"*"}
+
     def __str__(self) -> str:
         return f"repository:{self.pattern}:{','.join(a for a in ACTIONS if a in self.actions)}"
 
@@ -103,6 +109,12 @@ class Token:
 
     def allows(self, repository: str, action: str) -> bool:
         return any(s.allows(repository, action) for s in self.scopes)
+
+    @property
+    def is_admin(self) -> bool:
+        """Admin over the whole registry (the whole event log, every model): a scope
+        granting admin on a pattern that covers every repository."""
+        return any(s.covers_all and "admin" in s.actions for s in self.scopes)
 
     def require_usable(self, now: datetime) -> None:
         state = self.state(now)

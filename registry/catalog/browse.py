@@ -90,7 +90,8 @@ def _name_clause(name: str) -> ColumnElement[bool]:
 
 def _label_clause(label: str) -> ColumnElement[bool]:
     key, eq, value = label.partition("=")
-    cond = [LabelRow.artifact_digest == ArtifactRow.digest, LabelRow.key == key.strip()]
+    cond = [LabelRow.artifact_digest == ArtifactRow.digest,
+            LabelRow.repository == RepositoryArtifactRow.repository, LabelRow.key == key.strip()]
     if eq:
         cond.append(LabelRow.value == value.strip())
     return exists().where(*cond)
@@ -137,14 +138,14 @@ def search(catalog: Catalog, query: Search, *, limit: int = 200,
         more = len(rows) > limit
         rows = rows[:limit]
         digests = sorted({r[2] for r in rows})
-        labels: dict[str, dict[str, str]] = {}
+        labels: dict[tuple[str, str], dict[str, str]] = {}
         for i in range(0, len(digests), 500):
             for lb in s.scalars(select(LabelRow).where(
                     LabelRow.artifact_digest.in_(digests[i:i + 500]))):
-                labels.setdefault(lb.artifact_digest, {})[lb.key] = lb.value
+                labels.setdefault((lb.repository, lb.artifact_digest), {})[lb.key] = lb.value
     out = [Listing(repo, tag, Digest.parse(d), name, Digest.parse(identity), int(tokens),
                    int(size), aware(created), aware(tagged or added),
-                   labels.get(d, {}))
+                   labels.get((repo, d), {}))
            for repo, tag, d, name, identity, tokens, size, created, tagged, added in rows]
     return out, more
 

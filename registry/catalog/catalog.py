@@ -108,9 +108,11 @@ class Catalog(CatalogReader):
                 repository=push.repository, artifact_digest=digest, created_at=now,
             ).on_conflict_do_nothing())
             for key, value in push.labels.items():
-                stmt = self._insert(LabelRow).values(artifact_digest=digest, key=key, value=value)
+                stmt = self._insert(LabelRow).values(repository=push.repository,
+                                                     artifact_digest=digest, key=key, value=value)
                 s.execute(stmt.on_conflict_do_update(
-                    index_elements=["artifact_digest", "key"], set_={"value": value}))
+                    index_elements=["repository", "artifact_digest", "key"],
+                    set_={"value": value}))
             previous = None
             if push.tag is not None:
                 previous = self._move_tag(s, push.repository, push.tag, digest, now)
@@ -212,7 +214,9 @@ class Catalog(CatalogReader):
         with self._session() as s:
             return s.get(ArtifactRow, str(digest)) is not None
 
-    def artifact(self, digest: Digest) -> ArtifactRecord:
+    def artifact(self, digest: Digest, repository: str | None = None) -> ArtifactRecord:
+        """The artifact's row; its `labels` are those set in `repository` (or, without
+        one, every repository's, the first repository by name winning a key)."""
         with self._session() as s:
             row = self._require_artifact(s, digest)
             stored = s.scalar(select(func.coalesce(func.sum(BlobRow.stored_size), 0))
@@ -223,13 +227,18 @@ class Catalog(CatalogReader):
                 RepositoryArtifactRow.artifact_digest == row.digest)
                 .order_by(RepositoryArtifactRow.repository)).all()
             tags = self._tags(s, select(TagRow).where(TagRow.artifact_digest == row.digest))
-            labels = {lb.key: lb.value for lb in s.scalars(
-                select(LabelRow).where(LabelRow.artifact_digest == row.digest))}
+            by_repo: dict[str, dict[str, str]] = {}
+            for lb in s.scalars(select(LabelRow).where(LabelRow.artifact_digest == row.digest)
+                                .order_by(LabelRow.repository.desc())):
+                by_repo.setdefault(lb.repository, {})[lb.key] = lb.value
+            labels = by_repo.get(repository, {}) if repository is not None else {
+                k: v for r in by_repo.values() for k, v in r.items()}
             return ArtifactRecord(
                 digest=digest, manifest=row.manifest.encode(), size=row.size,
                 stored_size=int(stored or 0), token_count=row.token_count,
                 model_name=model_name or "", created_at=aware(row.created_at),
-                repositories=tuple(repos), tags=tags, labels=labels)
+                repositories=tuple(repos), tags=tags, labels=labels,
+                repository_labels=by_repo)
 
     def _require_artifact(self, s: Session, digest: Digest, *,
                           lock: bool = False) -> ArtifactRow:

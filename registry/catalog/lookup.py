@@ -5,12 +5,18 @@ Every query here is an index seek: no query reads rows in proportion to the cata
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
 from sqlalchemy import select, text
 
 from kvgraft.catalog.catalog import Catalog
-from kvgraft.catalog.models import ArtifactChunkRow, ArtifactRow, ModelRow
+from kvgraft.catalog.models import (
+    ArtifactChunkRow,
+    ArtifactRow,
+    ModelRow,
+    RepositoryArtifactRow,
+)
 from kvgraft.catalog.records import stored_digest
 from kvgraft.digest import Digest
 
@@ -36,13 +42,32 @@ def chunk_sizes(catalog: Catalog, identity_key: Digest) -> list[int]:
     return sorted(int(r[0]) for r in rows)
 
 
-def has_prefix_key(catalog: Catalog, key: Digest) -> bool:
+Within = Collection[str] | None  # repositories a match may come from; None: all of them
+
+
+def repositories(catalog: Catalog) -> list[str]:
+    """Every repository holding an artifact (what a caller's scopes are matched against)."""
     with catalog._session() as s:
-        return s.scalar(select(ArtifactChunkRow.idx).where(
-            ArtifactChunkRow.prefix_key == str(key)).limit(1)) is not None
+        return list(s.scalars(select(RepositoryArtifactRow.repository).distinct()))
 
 
-def deepest_prefix(catalog: Catalog, keys: Sequence[Digest]) -> int:
+def _within(query: Any, within: Within) -> Any:
+    """`query` narrowed to chunks of artifacts held in `within`: the filter is part of the
+    lookup, so an artifact outside it neither answers nor hides one inside."""
+    if within is None:
+        return query
+    return query.where(ArtifactChunkRow.artifact_digest.in_(
+        select(RepositoryArtifactRow.artifact_digest)
+        .where(RepositoryArtifactRow.repository.in_(sorted(within)))))
+
+
+def has_prefix_key(catalog: Catalog, key: Digest, within: Within = None) -> bool:
+    with catalog._session() as s:
+        return s.scalar(_within(select(ArtifactChunkRow.idx).where(
+            ArtifactChunkRow.prefix_key == str(key)), within).limit(1)) is not None
+
+
+def deepest_prefix(catalog: Catalog, keys: Sequence[Digest], within: Within = None) -> int:
     """How many leading keys of a chain are in the catalog (0..len(keys)).
 
     A chain is prefix-closed (an artifact holding key c holds keys 0..c-1 too), so a
@@ -50,37 +75,38 @@ def deepest_prefix(catalog: Catalog, keys: Sequence[Digest]) -> int:
     lo, hi = 0, len(keys)  # keys[:lo] are present; keys[hi:] are not
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if has_prefix_key(catalog, keys[mid - 1]):
+        if has_prefix_key(catalog, keys[mid - 1], within):
             lo = mid
         else:
             hi = mid - 1
     return lo
 
 
-def artifacts_with_key(catalog: Catalog, key: Digest, limit: int) -> list[tuple[Digest, int]]:
+def artifacts_with_key(catalog: Catalog, key: Digest, limit: int,
+                       within: Within = None) -> list[tuple[Digest, int]]:
     """(artifact digest, token count) of up to `limit` artifacts whose chain holds `key`,
     newest first."""
     with catalog._session() as s:
-        rows = s.execute(
+        rows = s.execute(_within(
             select(ArtifactRow.digest, ArtifactRow.token_count)
             .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
-            .where(ArtifactChunkRow.prefix_key == str(key))
+            .where(ArtifactChunkRow.prefix_key == str(key)), within)
             .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
             .limit(limit)).all()
     return [(stored_digest(d, "artifacts"), int(n)) for d, n in rows]
 
 
-def artifacts_with_keys(catalog: Catalog, keys: Sequence[Digest],
-                        limit: int) -> list[tuple[Digest, Digest]]:
+def artifacts_with_keys(catalog: Catalog, keys: Sequence[Digest], limit: int,
+                        within: Within = None) -> list[tuple[Digest, Digest]]:
     """(artifact digest, the key it holds) of up to `limit` artifacts whose chain holds one
     of `keys`, newest first: one IN query, an index seek per key."""
     if not keys:
         return []
     with catalog._session() as s:
-        rows = s.execute(
+        rows = s.execute(_within(
             select(ArtifactRow.digest, ArtifactChunkRow.prefix_key)
             .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
-            .where(ArtifactChunkRow.prefix_key.in_([str(k) for k in keys]))
+            .where(ArtifactChunkRow.prefix_key.in_([str(k) for k in keys])), within)
             .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
             .limit(limit)).all()
     return [(stored_digest(d, "artifacts"), stored_digest(k, "artifact_chunks"))

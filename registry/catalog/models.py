@@ -114,9 +114,13 @@ class TagRow(Base):
 
 
 class LabelRow(Base):
+    """Labels belong to an artifact within a repository: tenants pushing the same bytes
+    each keep their own."""
+
     __tablename__ = "labels"
+    repository: Mapped[str] = mapped_column(NAME, primary_key=True)
     artifact_digest: Mapped[str] = mapped_column(
-        ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True
+        ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True, index=True
     )
     key: Mapped[str] = mapped_column(String(255), primary_key=True)
     value: Mapped[str] = mapped_column(Text)

@@ -112,4 +112,6 @@ class ArtifactRecord:
     created_at: datetime
     repositories: tuple[str, ...]
     tags: tuple[TagRecord, ...]
-    labels: Mapping[str, str]
+    labels: Mapping[str, str]  # in the repository it was asked about (Catalog.artifact)
+    # Each repository's labels: tenants pushing the same bytes each keep their own.
+    repository_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)

@@ -75,9 +75,9 @@ class HttpCatalog:
         return self._get("resolve", f"resolve {ref}", lambda a: Digest.parse(a["digest"]),
                          ref=str(ref))
 
-    def artifact(self, digest: Digest) -> ArtifactRecord:
+    def artifact(self, digest: Digest, repository: str | None = None) -> ArtifactRecord:
         return self._get(f"record/{digest}", f"artifact {digest}",
-                         lambda a: wire.artifact_record(a["artifact"]))
+                         lambda a: wire.artifact_record(a["artifact"]), repository=repository)
 
     def has_artifact(self, digest: Digest) -> bool:
         try:

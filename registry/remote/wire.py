@@ -42,7 +42,8 @@ def artifact_json(r: ArtifactRecord) -> dict[str, Any]:
             "stored_size": r.stored_size, "token_count": r.token_count,
             "model_name": r.model_name, "created_at": r.created_at.isoformat(),
             "repositories": list(r.repositories), "tags": [tag_json(t) for t in r.tags],
-            "labels": dict(r.labels)}
+            "labels": dict(r.labels),
+            "repository_labels": {k: dict(v) for k, v in r.repository_labels.items()}}
 
 
 def artifact_record(d: Mapping[str, Any]) -> ArtifactRecord:
@@ -50,7 +51,8 @@ def artifact_record(d: Mapping[str, Any]) -> ArtifactRecord:
         Digest.parse(d["digest"]), d["manifest"].encode(), int(d["size"]),
         int(d["stored_size"]), int(d["token_count"]), str(d["model_name"]),
         datetime.fromisoformat(d["created_at"]), tuple(d["repositories"]),
-        tuple(tag_record(t) for t in d["tags"]), dict(d["labels"]))
+        tuple(tag_record(t) for t in d["tags"]), dict(d["labels"]),
+        {str(k): dict(v) for k, v in (d.get("repository_labels") or {}).items()})
 
 
 def blob_json(b: BlobRecord) -> dict[str, Any]:

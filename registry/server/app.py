@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -32,7 +33,7 @@ MAX_HEADER_BYTES = 64 << 10
 
 class HeaderLimit:
     """Refuse requests whose headers exceed MAX_HEADER_BYTES in all (431), whichever HTTP
-    parser uvicorn uses (h11 has a limit, httptools none)."""
+    parser uvicorn uses (h11 has a limit, httptools none), and URLs holding NUL (400)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -44,6 +45,39 @@ class HeaderLimit:
                              f"request headers exceed {MAX_HEADER_BYTES} bytes")
             await error.response()(scope, receive, send)
             return
+        if scope["type"] == "http" and (b"%00" in scope["query_string"]
+                                        or "\0" in scope["path"]):
+            # No name, reference or search holds NUL, and PostgreSQL cannot compare
+            # one: refused for every route alike, on either database.
+            error = OciError(400, "UNSUPPORTED", "NUL in the request URL")
+            await error.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+_UNSAFE = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+class SameOrigin:
+    """Refuse (403) a write a browser sends on behalf of another site: a request with an
+    unsafe method whose Origin header names another host than the one it was sent to. A
+    browser attaches remembered Basic credentials to a cross-site form post; kvgraft,
+    docker and other registry clients send no Origin, and the web page itself writes
+    nothing."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in _UNSAFE:
+            headers = dict(scope["headers"])
+            origin = headers.get(b"origin")
+            if origin is not None and urlsplit(origin.decode("latin-1")).netloc.lower() \
+                    != headers.get(b"host", b"").decode("latin-1").lower():
+                error = OciError(403, "DENIED", "a write from another site's page is refused "
+                                 f"(Origin {origin.decode('latin-1')[:100]})")
+                await error.response()(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
 
@@ -130,7 +164,7 @@ def create_app(registry_factory: Callable[[], Registry], settings: ServerSetting
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={RegistryError: on_registry_error},
                     middleware=[Middleware(MetricsMiddleware, metrics=metrics),
-                                Middleware(HeaderLimit)])
+                                Middleware(HeaderLimit), Middleware(SameOrigin)])
     app.state.metrics = metrics
     if pages:
         app.router.routes.extend(_web_pages(app))

@@ -21,14 +21,17 @@ from kvgraft.remote import wire
 from kvgraft.server.auth import Principal
 from kvgraft.server.context import Context
 from kvgraft.server.endpoint import (
+    MAX_ACTION,
     MAX_DIGESTS,
     digest_param,
+    is_admin,
     principal_of,
+    readable_event,
     repository_param,
-    require,
+    require_admin,
     visible_in,
 )
-from kvgraft.server.errors import OciError
+from kvgraft.server.errors import OciError, digits
 
 # --- reads ---------------------------------------------------------------------------
 
@@ -36,10 +39,16 @@ from kvgraft.server.errors import OciError
 def record(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     digest = digest_param(request.path_params["digest"])
     visible = visible_in(request, ctx, digest)
-    r = ctx.catalog.artifact(digest)
+    repository = request.query_params.get("repository") or None
+    r = ctx.catalog.artifact(digest, repository if repository in visible else None)
     out = wire.artifact_json(r)
     out["repositories"] = list(visible)
     out["tags"] = [wire.tag_json(t) for t in r.tags if t.repository in visible]
+    # Labels of the repositories the caller reads, never another tenant's.
+    mine = {k: dict(v) for k, v in r.repository_labels.items() if k in visible}
+    out["repository_labels"] = mine
+    out["labels"] = mine.get(repository, {}) if repository else {
+        k: v for repo in sorted(mine, reverse=True) for k, v in mine[repo].items()}
     return {"artifact": out}
 
 
@@ -52,7 +61,7 @@ def tags(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     found = ctx.catalog.list_tags(pattern, problems=problems)
     if pattern:
         found = tuple(t for t in found if fnmatch.fnmatchcase(t.repository, pattern))
-    admin = principal.may(ctx.settings, "*", "admin")
+    admin = is_admin(principal)
     return {"tags": [wire.tag_json(t) for t in found
                      if principal.may(ctx.settings, t.repository, "pull")],
             "problems": problems if admin else []}
@@ -100,27 +109,40 @@ def events(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     if digest is not None:
         visible_in(request, ctx, digest)
     else:  # the whole log names every repository: admin only
-        require(request, ctx, "*", "admin")
+        require_admin(request, ctx)
     principal: Principal = request.state.principal
+    limit = q.get("limit") or None
+    if limit is not None and not digits(limit, 9):
+        raise OciError(400, "UNSUPPORTED", "limit is a whole number below 10**9")
+    action = q.get("action") or None
+    if action is not None and len(action) > MAX_ACTION:
+        raise OciError(400, "UNSUPPORTED", f"an action has at most {MAX_ACTION} characters")
     try:
         since = datetime.fromisoformat(q["since"]) if q.get("since") else None
-        limit = int(q["limit"]) if q.get("limit") else None
     except ValueError as e:
-        raise OciError(400, "UNSUPPORTED", f"bad since/limit: {e}") from None
-    found = ctx.catalog.events(digest=digest, action=q.get("action") or None,
-                                        since=since, limit=limit)
+        raise OciError(400, "UNSUPPORTED", f"bad since: {e}") from None
+    found = ctx.catalog.events(digest=digest, action=action, since=since,
+                               limit=int(limit) if limit else None)
     return {"events": [wire.event_json(e) for e in found
-                       if e.repository is None
-                       or principal.may(ctx.settings, e.repository, "pull")]}
+                       if readable_event(ctx, principal, e)]}
 
 
 def attestations(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
+    """The attestations recorded in repositories the caller may read: another tenant's
+    statement about the same bytes is neither shown nor counted by the caller's policy
+    (docs/security.md)."""
     digest = digest_param(request.path_params["digest"])
     visible_in(request, ctx, digest)
+    principal: Principal = request.state.principal
+    homes = ctx.attestation_homes(digest)
+    shown = {i for i, repos in homes.items()
+             if is_admin(principal) or any(principal.may(ctx.settings, r, "pull")
+                                           for r in repos)}
     catalog = ctx.catalog
     found = catalog.attestations(digest, request.query_params.get("predicate_type") or None)
-    return {"attestations": [wire.attestation_json(a) for a in found],
-            "recorded": {str(k): v for k, v in catalog.attestation_digests(digest).items()}}
+    return {"attestations": [wire.attestation_json(a) for a in found if a.id in shown],
+            "recorded": {str(k): v for k, v in catalog.attestation_digests(digest).items()
+                         if k in shown}}
 
 
 def children(request: Request, ctx: Context, _: Any) -> dict[str, Any]:

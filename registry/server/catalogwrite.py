@@ -20,20 +20,23 @@ from kvgraft.client import check_labels
 from kvgraft.codecs.codec import max_stored_size, parse_frame
 from kvgraft.codecs.stream import decoded_pieces, reader_at, seekable, stored_header
 from kvgraft.digest import Digest
-from kvgraft.errors import Conflict, IntegrityError, RegistryError, UsageError
+from kvgraft.errors import Conflict, IntegrityError, NotFound, RegistryError, UsageError
 from kvgraft.formats.manifest import BlobRef, Manifest
-from kvgraft.reference import Reference
 from kvgraft.remote import wire
 from kvgraft.server.context import Context
 from kvgraft.server.endpoint import (
     RESERVED,
     digest_param,
     event_fields,
+    principal_of,
     repository_param,
     require,
+    require_admin,
+    short_text,
+    tag_param,
     visible_in,
 )
-from kvgraft.server.errors import OciError
+from kvgraft.server.errors import OciError, digits
 from kvgraft.server.oci import _receive as receive
 
 # --- writes --------------------------------------------------------------------------
@@ -43,7 +46,7 @@ def _upload_args(request: Request, ctx: Context) -> tuple[str, Digest, int]:
     repository = repository_param(request.query_params.get("repository"))
     require(request, ctx, repository, "push")
     size = request.query_params.get("size", "")
-    if not size.isdigit():
+    if not digits(size, 4000):
         raise OciError(400, "SIZE_INVALID", "give the decoded size as ?size=N")
     if len(size) > 20 or int(size) > ctx.settings.max_upload_bytes:
         # Before any byte of the body is read: the decoded size is what verifying costs.
@@ -96,26 +99,32 @@ async def _drain(request: Request, limit: int) -> None:
 def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
                   path: Path) -> dict[str, Any]:
     """The first good copy wins; one that no longer verifies is replaced (so pushing a
-    file again repairs it). The repository then holds the blob."""
+    file again repairs it). The repository then holds the blob.
+
+    The answer describes this upload as this repository sees it: `stored` is whether the
+    repository did not hold the blob before, and the size and codec are those of the bytes
+    sent. Whether another repository's copy was already in the store is not said: that
+    would tell a tenant which content others hold (docs/security.md)."""
     try:
         with open(path, "rb") as f:
             _check_stream(f, digest, size)
+            codec = stored_header(reader_at(f))[0]
     except IntegrityError as e:
         raise OciError(400, "DIGEST_INVALID", f"the upload of blob {digest} is corrupt: "
                        f"{e.message}") from None
+    new_here = ctx.oci.blob_size(repository, str(digest)) is None
     store = ctx.store
-    stored = False
     present = store.stat(digest) is not None
     kept = _checked_record(store, digest, size) if present else None
     if kept is None:
-        stored = _put_file(store, digest, path, replace=present)
+        _put_file(store, digest, path, replace=present)
         kept = _checked_record(store, digest, size)
         if kept is None:
             raise OciError(503, "UNAVAILABLE", f"blob {digest} did not read back intact")
     ctx.catalog.refresh_blobs([kept])
     ctx.oci.link_blob(repository, str(digest), size)
-    return {"digest": str(digest), "stored": stored, "stored_size": kept.stored_size,
-            "codec": kept.codec}
+    return {"digest": str(digest), "stored": new_here, "stored_size": path.stat().st_size,
+            "codec": codec}
 
 
 def _check_stream(f: BinaryIO, digest: Digest, size: int) -> None:
@@ -183,10 +192,8 @@ def _pushed_manifest(request: Request, ctx: Context, body: Any,
         raise OciError(400, "MANIFEST_INVALID", "give the manifest's canonical JSON")
     repository = repository_param(body.get("repository"))
     require(request, ctx, repository, "push")
-    tag = body.get("tag")
+    tag = tag_param(body["tag"]) if body.get("tag") is not None else None
     try:
-        if tag is not None:
-            Reference.parse(f"{repository}:{tag}")
         labels = check_labels({str(k): str(v) for k, v in (body.get("labels") or {}).items()})
         raw = body["manifest"].encode()
         if len(raw) > ctx.settings.max_manifest_bytes:
@@ -230,6 +237,7 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
                              repository=repository, tag=tag, digest=manifest.digest,
                              detail=detail)
     catalog = ctx.catalog
+    new_here = not _in_repository(ctx, repository, manifest.digest)
     outcome = catalog.record_push(PushRecord(manifest, tuple(records), repository, tag,
                                              labels, event))
 
@@ -238,8 +246,17 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
                        hint="push again")
 
     ensure_blobs(catalog, ctx.store, manifest, lost)
-    return {"digest": str(manifest.digest), "created": outcome.created,
+    # `created` as this repository sees it: whether another tenant pushed the same
+    # content first is not this caller's to learn.
+    return {"digest": str(manifest.digest), "created": new_here,
             "previous": str(outcome.previous) if outcome.previous else None}
+
+
+def _in_repository(ctx: Context, repository: str, digest: Digest) -> bool:
+    try:
+        return repository in ctx.catalog.artifact(digest).repositories
+    except NotFound:
+        return False
 
 
 def tag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
@@ -247,13 +264,7 @@ def tag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
         raise OciError(400, "UNSUPPORTED", "give repository, tag and digest")
     repository = repository_param(body.get("repository"))
     require(request, ctx, repository, "push")
-    name = body.get("tag")
-    if not isinstance(name, str):
-        raise OciError(400, "NAME_INVALID", "give the tag as a string")
-    try:
-        Reference.parse(f"{repository}:{name}")
-    except UsageError as e:
-        raise OciError(400, "NAME_INVALID", e.human()) from None
+    name = tag_param(body.get("tag"))
     digest = digest_param(str(body.get("digest")))
     visible_in(request, ctx, digest)  # only what the caller may read can be tagged
     _, _, detail = event_fields(body)
@@ -267,9 +278,7 @@ def untag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
         raise OciError(400, "UNSUPPORTED", "give repository and tag")
     repository = repository_param(body.get("repository"))
     require(request, ctx, repository, "delete")
-    name = body.get("tag")
-    if not isinstance(name, str):
-        raise OciError(400, "NAME_INVALID", "give the tag as a string")
+    name = tag_param(body.get("tag"))
     digest = ctx.catalog.remove_tag(repository, name, ctx.event_record(
         request, "untag", repository=repository, tag=name))
     return {"digest": str(digest)}
@@ -283,20 +292,27 @@ def add_event(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     if not action or action in RESERVED:
         raise OciError(400, "UNSUPPORTED", f"{action or 'an empty action'!r} is not an "
                        "event a client records itself")
+    if "statement_digest" in detail:  # an attestation's anchor: written with it, only
+        raise OciError(400, "UNSUPPORTED", "statement_digest is recorded with an "
+                       "attestation (POST /attestations), not as a plain event")
+    if principal_of(request, ctx).token is None:  # the log is append-only: no anonymous
+        raise ctx.refuse(request, request.state.principal, None, "push")
     repository = body.get("repository")
     digest = digest_param(str(body["digest"])) if body.get("digest") else None
+    tag_name = tag_param(body["tag"]) if body.get("tag") is not None else None
     if repository is not None:
         require(request, ctx, repository_param(repository), "pull")
     if digest is not None:
         visible = visible_in(request, ctx, digest)
         if repository is not None and repository not in visible:
             raise OciError(404, "NAME_UNKNOWN", f"artifact {digest} is not in {repository}")
+        # Recorded in a repository of the caller's that holds the artifact: an event in
+        # no repository is shown to admins only (its actor is the caller's business).
+        repository = repository if repository is not None else visible[0]
     if repository is None and digest is None:
-        require(request, ctx, "*", "admin")
-    tag_name = body.get("tag")
-    ctx.event(request, action, outcome=outcome, repository=repository,
-              tag=str(tag_name) if tag_name is not None else None, digest=digest,
-              detail=detail)
+        require_admin(request, ctx)
+    ctx.event(request, action, outcome=outcome, repository=repository, tag=tag_name,
+              digest=digest, detail=detail)
     return {}
 
 
@@ -314,6 +330,9 @@ def add_attestation(request: Request, ctx: Context, body: Any) -> dict[str, Any]
         raise OciError(400, "MANIFEST_INVALID", f"invalid statement: {e.human()}") from None
     except (KeyError, TypeError, ValueError, AttributeError, UsageError) as e:
         raise OciError(400, "UNSUPPORTED", f"malformed attestation: {e}") from None
+    short_text(record_in.predicate_type, "the predicate type")
+    if record_in.keyid is not None:
+        short_text(record_in.keyid, "the key id")
     digest = record_in.artifact
     if all(s.digest != digest for s in statement.subjects):
         raise OciError(400, "MANIFEST_INVALID", f"the statement is not about {digest}")
@@ -323,7 +342,9 @@ def add_attestation(request: Request, ctx: Context, body: Any) -> dict[str, Any]
         body.get("event"), dict) else None
     stored = AttestationRecord(digest, record_in.predicate_type, record_in.statement,
                                record_in.envelope, record_in.keyid)
+    # The anchor is the stored statement's digest, whatever the client said it was.
     event = ctx.event_record(request, "sign" if action == "sign" else "attest",
                              repository=event_repo if event_repo in visible else visible[0],
-                             digest=digest, detail=detail)
+                             digest=digest, detail={
+                                 **detail, "statement_digest": str(stored.statement_digest)})
     return {"id": ctx.catalog.add_attestation(stored, event)}

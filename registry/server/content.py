@@ -1,11 +1,15 @@
 """Blob bytes as OCI clients see them. Graft blobs are stored encoded (keyed by their
-decoded digest): they are decoded and checked before a byte is sent. Blobs OCI clients push
-are stored in the same store in the raw frame and streamed, hashed on the way; a stored
-blob that does not hash to its name aborts the response instead of completing it."""
+decoded digest): their frame is checked before a byte is sent. Blobs OCI clients push are
+stored in the same store in the raw frame. Either is hashed on the way (a graft blob's
+range read excepted, see _stream_decoded) and its last piece held back until the hash
+matched: a stored blob that does not hash to its name aborts the response short of its
+Content-Length, never a clean end. A body of at most VERIFY_FIRST bytes is read whole and
+checked before the status line is sent (the caller joins `Body.pieces`)."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import mmap
 import os
 import struct
@@ -13,6 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+from starlette.responses import StreamingResponse
+from starlette.types import Send
 
 from kvgraft.blobstore import BlobStore
 from kvgraft.blobstore.base import Presigning
@@ -22,7 +29,9 @@ from kvgraft.digest import Buffer, Digest
 from kvgraft.errors import IntegrityError, NotFound
 from kvgraft.oci.graft import EMPTY_DIGEST, EMPTY_JSON
 
+_log = logging.getLogger("kvgraft.server")
 PIECE = 1 << 20
+VERIFY_FIRST = 4 * PIECE  # bodies this small are checked whole before the status line
 _SIZE = struct.Struct("<Q")
 
 
@@ -99,6 +108,7 @@ def _stream_raw(f: BinaryIO, digest: Digest, size: int, start: int, end: int,
     # The whole blob is hashed even for a range, so a corrupt one is never served whole.
     h = hashlib.sha256()
     pos = 0
+    held: bytes | None = None  # the last piece goes only once the hash matched
     with f:
         while pos < size:
             piece = f.read(min(PIECE, size - pos))
@@ -107,11 +117,15 @@ def _stream_raw(f: BinaryIO, digest: Digest, size: int, start: int, end: int,
             h.update(piece)
             lo, hi = max(start - pos, 0), min(end - pos, len(piece))
             if lo < hi:
-                yield piece[lo:hi]
+                if held is not None:
+                    yield held
+                held = piece[lo:hi]
             pos += len(piece)
         if f.read(1):
             raise IntegrityError(f"stored blob {digest} is longer than it should be")
     digest.check(Digest.from_hasher(h), f"stored blob {digest}")
+    if held is not None:
+        yield held
 
 
 def _stream_decoded(f: BinaryIO, pieces: Iterator[Buffer], digest: Digest, size: int,
@@ -122,6 +136,7 @@ def _stream_decoded(f: BinaryIO, pieces: Iterator[Buffer], digest: Digest, size:
     whole = start == 0 and end == size
     h = hashlib.sha256()
     pos = 0
+    held: bytes | None = None  # a whole read's last piece goes once the hash matched
     with f:
         for piece in pieces:
             if whole:
@@ -129,13 +144,41 @@ def _stream_decoded(f: BinaryIO, pieces: Iterator[Buffer], digest: Digest, size:
             n = memoryview(piece).nbytes
             lo, hi = max(start - pos, 0), min(end - pos, n)
             if lo < hi:
-                yield piece if (lo, hi) == (0, n) and isinstance(piece, bytes) else \
+                out = piece if (lo, hi) == (0, n) and isinstance(piece, bytes) else \
                     bytes(memoryview(piece)[lo:hi])
+                if not whole:
+                    yield out
+                else:
+                    if held is not None:
+                        yield held
+                    held = out
             pos += n
             if pos >= end and not whole:
                 return
     if whole:
         digest.check(Digest.from_hasher(h), f"stored blob {digest}")
+        if held is not None:
+            yield held
+
+
+class CheckedStream(StreamingResponse):
+    """A blob body whose pieces may fail their check mid-way (IntegrityError): the
+    response is then left short of its Content-Length and the connection closed by the
+    server, so no client mistakes it for a whole blob. Logged as one warning, not as an
+    application error: the store, not the request, is at fault."""
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        try:
+            async for chunk in self.body_iterator:
+                data = chunk if isinstance(chunk, bytes | memoryview) else \
+                    chunk.encode(self.charset)
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        except IntegrityError as e:
+            _log.warning("response aborted: %s", e.message)
+            return  # never the final, empty body message: the server closes the connection
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def presigned(store: BlobStore, digest: Digest, seconds: int) -> str | None:

@@ -28,6 +28,7 @@ from kvgraft.server.metrics import ServerMetrics
 from kvgraft.server.settings import ServerSettings
 from kvgraft.server.uploads import Uploads
 
+ANCHORS = frozenset({"attest", "sign"})  # the events that record an attestation
 _RENDERED = 4096  # grafts whose OCI rendering a worker keeps (they never change)
 _SERVE_DIRECT = "serve a catalog and store of your own: a direct remote (--catalog, --store)"
 
@@ -39,6 +40,20 @@ def server_catalog(registry: Registry) -> Catalog:
 
 def server_store(registry: Registry) -> BlobStore:
     return registry.backends.whole_store("serving", _SERVE_DIRECT)
+
+
+def attestation_homes(catalog: Catalog, artifact: Digest) -> dict[int, frozenset[str]]:
+    """The repositories each attestation of `artifact` was recorded in: those of the
+    attest or sign events anchoring its statement digest. Only the server writes these
+    events (a client's own events cannot carry an anchor), after checking the writer may
+    push there; an attestation counts in its home repositories alone."""
+    by_statement: dict[str, set[str]] = {}
+    for e in catalog.events(digest=artifact):
+        anchor = e.detail.get("statement_digest")
+        if e.action in ANCHORS and e.repository is not None and isinstance(anchor, str):
+            by_statement.setdefault(anchor, set()).add(e.repository)
+    return {i: frozenset(by_statement.get(d, ()))
+            for i, d in catalog.attestation_digests(artifact).items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,14 +153,22 @@ class Context:
     def graft_manifest(self, digest: Digest) -> Manifest:
         return self.graft(digest)[0]
 
-    def attestations(self, artifact: Digest) -> list[RenderedAttestation]:
+    def attestation_homes(self, artifact: Digest) -> dict[int, frozenset[str]]:
+        return attestation_homes(self.catalog, artifact)
+
+    def attestations(self, artifact: Digest,
+                     within: str | None = None) -> list[RenderedAttestation]:
         """The graft's attestations (provenance, verification, signatures) as OCI
-        manifests whose subject is its OCI manifest."""
+        manifests whose subject is its OCI manifest; those recorded in repository
+        `within` only, when given."""
         _, rendered = self.graft(artifact)
         subject = ocigraft.oci_digest(rendered)
+        homes = self.attestation_homes(artifact) if within is not None else {}
         out = []
         for a in self.catalog.attestations(artifact):
             assert a.id is not None
+            if within is not None and within not in homes.get(a.id, ()):
+                continue
             raw, blob = ocigraft.render_attestation(a.statement, a.envelope, a.predicate_type,
                                                   a.keyid, a.id, subject, len(rendered))
             doc = json.loads(raw)
@@ -170,7 +193,7 @@ class Context:
         if found is None:
             return None
         artifact, att_id = found
-        for att in self.attestations(Digest.parse(artifact)):
+        for att in self.attestations(Digest.parse(artifact), within=repository):
             if att.id == att_id:
                 return att
         return None

@@ -11,16 +11,23 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from kvgraft import strictjson
+from kvgraft.catalog.records import EventRecord
 from kvgraft.digest import Digest
 from kvgraft.errors import NotFound, RegistryError, UsageError
-from kvgraft.reference import check_name
+from kvgraft.reference import check_name, check_tag
 from kvgraft.server.auth import Principal
 from kvgraft.server.context import Context
-from kvgraft.server.errors import OciError
+from kvgraft.server.errors import OciError, digits
 
 MAX_JSON = 16 << 20  # a push body: the manifest and its labels
 MAX_DETAIL = 64 << 10  # the JSON of one event's detail
 MAX_DIGESTS = 100_000
+# The catalog's columns (kvgraft.catalog.models): checked here so that both databases
+# refuse the same input with a 400 rather than PostgreSQL alone failing with a 500.
+MAX_ACTION = 64
+MAX_OUTCOME = 32
+MAX_SHORT = 255  # media types, predicate types, key ids
 # Events with their own endpoint (and checks): a client cannot log them as plain events.
 # ("copy" can be: the source side of a copy logs one about an artifact already there, and
 # only an artifact's first push or copy is its origin.)
@@ -41,6 +48,28 @@ def require(request: Request, ctx: Context, repository: str, action: str) -> Pri
     if not principal.may(ctx.settings, repository, action):
         raise ctx.refuse(request, principal, repository, action)
     return principal
+
+
+def is_admin(principal: Principal) -> bool:
+    return principal.token is not None and principal.token.is_admin
+
+
+def require_admin(request: Request, ctx: Context) -> Principal:
+    """A caller with admin over every repository (kvgraft.tokens.Token.is_admin): a
+    repository named `*` does not exist, so checking a scope against that name would let
+    a pattern matching it (`?`) pass."""
+    principal = principal_of(request, ctx)
+    if not is_admin(principal):
+        raise ctx.refuse(request, principal, "*", "admin")
+    return principal
+
+
+def readable_event(ctx: Context, principal: Principal, event: EventRecord) -> bool:
+    """An event the caller may read: one in a repository it may pull; one in no repository
+    (whose actor and host could be anyone's) only for an admin."""
+    if event.repository is None:
+        return is_admin(principal)
+    return principal.may(ctx.settings, event.repository, "pull")
 
 
 def digest_param(text: str) -> Digest:
@@ -90,9 +119,26 @@ def event_fields(body: Any) -> tuple[str, str, dict[str, Any]]:
     action = about.get("action") or ""
     outcome = about.get("outcome") or "ok"
     if not isinstance(action, str) or not isinstance(outcome, str) or \
-            len(action) > 64 or len(outcome) > 64:
-        raise OciError(400, "UNSUPPORTED", "an event's action and outcome are short strings")
+            len(action) > MAX_ACTION or len(outcome) > MAX_OUTCOME:
+        raise OciError(400, "UNSUPPORTED", f"an event's action (at most {MAX_ACTION} "
+                       f"characters) and outcome (at most {MAX_OUTCOME}) are short strings")
     return action, outcome, detail
+
+
+def tag_param(value: Any) -> str:
+    if not isinstance(value, str):
+        raise OciError(400, "NAME_INVALID", "give the tag as a string")
+    try:
+        return check_tag(value)
+    except UsageError as e:
+        raise OciError(400, "NAME_INVALID", e.human()) from None
+
+
+def short_text(value: Any, what: str, limit: int = MAX_SHORT) -> str:
+    """A string that fits a `limit`-character column (already free of NUL: json_body)."""
+    if not isinstance(value, str) or not value or len(value) > limit:
+        raise OciError(400, "UNSUPPORTED", f"{what} is a string of 1 to {limit} characters")
+    return value
 
 
 def endpoint_of(fn: Handler, *,
@@ -104,6 +150,7 @@ def endpoint_of(fn: Handler, *,
         try:
             payload: Any = None
             if body == "json":
+                _require_json(request)
                 payload = json_body(await read_body(request, MAX_JSON))
             answer = await run_in_threadpool(fn, request, ctx, payload)
         except OciError as e:
@@ -115,9 +162,17 @@ def endpoint_of(fn: Handler, *,
     return endpoint
 
 
+def _require_json(request: Request) -> None:
+    """A JSON body says so: a cross-site HTML form can send only text/plain, urlencoded or
+    multipart bodies without the browser asking the server first (CORS preflight)."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise OciError(415, "UNSUPPORTED", "send the body as Content-Type: application/json")
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+    if declared is not None and (not digits(declared) or int(declared) > limit):
         raise OciError(413, "SIZE_INVALID", f"the body may hold at most {limit} bytes")
     data = bytearray()
     try:
@@ -134,8 +189,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(data)
 
 
-def json_body(raw: bytes) -> Any:
+def json_body(raw: bytes, code: str = "UNSUPPORTED") -> Any:
+    """Untrusted JSON as the catalog can store it: bounded nesting and numbers, UTF-8
+    strings without NUL, 64-bit integers (kvgraft.strictjson); anything else is a 400."""
     try:
-        return json.loads(raw)
+        value = strictjson.loads(raw)
+        strictjson.check_storable(value)
     except ValueError as e:
-        raise OciError(400, "UNSUPPORTED", f"the body is not JSON: {e}") from None
+        raise OciError(400, code, f"the body is not JSON kvgraft accepts: {e}") from None
+    return value

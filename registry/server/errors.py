@@ -28,3 +28,9 @@ def from_registry_error(e: RegistryError) -> OciError:
     status and OCI code (errors.InvalidName is NAME_INVALID, any other UsageError
     UNSUPPORTED)."""
     return OciError(e.http_status, e.oci_code, e.human())
+
+
+def digits(text: str, most: int = 18) -> bool:
+    """Whether `text` is a whole number int() takes and a 64-bit column holds: ASCII
+    digits only (str.isdigit also accepts '²', which int() refuses), at most `most`."""
+    return 0 < len(text) <= most and text.isascii() and text.isdigit()

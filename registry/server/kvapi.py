@@ -4,7 +4,7 @@ error shape; the same tokens and scopes as /v2/."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -14,15 +14,25 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from kvgraft.catalog.models import ModelRow
-from kvgraft.errors import UsageError
+from kvgraft.catalog.models import ArtifactRow, ModelRow, RepositoryArtifactRow
+from kvgraft.catalog.records import EventRecord
+from kvgraft.digest import Digest
+from kvgraft.errors import NotFound, UsageError
 from kvgraft.identity.model import ModelIdentity
 from kvgraft.oci import graft as ocigraft
 from kvgraft.reference import Reference
 from kvgraft.server import content
 from kvgraft.server.context import Context
-from kvgraft.server.endpoint import endpoint_of, principal_of, require
-from kvgraft.server.errors import OciError
+from kvgraft.server.endpoint import (
+    endpoint_of,
+    is_admin,
+    json_body,
+    principal_of,
+    readable_event,
+    require,
+    require_admin,
+)
+from kvgraft.server.errors import OciError, digits
 
 PREFIX = "/kvgraft/v1"
 MAX_BODY = 16 << 20
@@ -67,29 +77,46 @@ def artifact(request: Request, ctx: Context) -> dict[str, Any]:
 def labels(request: Request, ctx: Context) -> dict[str, Any]:
     ref = _ref(request)
     require(request, ctx, ref.name, "pull")
-    record = ctx.catalog.artifact(ctx.catalog.resolve(ref))
+    record = ctx.catalog.artifact(ctx.catalog.resolve(ref), ref.name)
     return {"digest": str(record.digest), "labels": dict(record.labels)}
 
 
 def models(request: Request, ctx: Context) -> dict[str, Any]:
-    principal_of(request, ctx)
-    if request.state.principal.token is None:
-        raise ctx.refuse(request, request.state.principal, None, "pull")
+    """The models of artifacts in repositories the caller may read (an admin: all)."""
+    from kvgraft.catalog.lookup import repositories
+
+    principal = principal_of(request, ctx)
+    if principal.token is None:
+        raise ctx.refuse(request, principal, None, "pull")
+    query = select(ModelRow).order_by(ModelRow.id)
+    if not is_admin(principal):
+        readable = [r for r in repositories(ctx.catalog)
+                    if principal.may(ctx.settings, r, "pull")]
+        query = query.where(ModelRow.id.in_(
+            select(ArtifactRow.model_id)
+            .join(RepositoryArtifactRow,
+                  RepositoryArtifactRow.artifact_digest == ArtifactRow.digest)
+            .where(RepositoryArtifactRow.repository.in_(readable))))
     with ctx.catalog._session() as s:
-        rows = s.scalars(select(ModelRow).order_by(ModelRow.id)).all()
+        rows = s.scalars(query).all()
         return {"models": [{"identity": r.identity, "name": r.name,
                             "architecture": r.architecture, "tokenizer": r.tokenizer,
                             "weights": r.weights} for r in rows]}
 
 
 def log(request: Request, ctx: Context) -> dict[str, Any]:
-    text = request.query_params.get("ref")
-    if text:
+    """A reference's history, as far as the caller may read it: by digest only through a
+    repository that holds (or held) it, and only events in readable repositories. An
+    unknown digest and one the caller may not see answer the same 404."""
+    if request.query_params.get("ref"):
         ref = _ref(request)
-        require(request, ctx, ref.name, "pull")
+        principal = require(request, ctx, ref.name, "pull")
         events = ctx.registry.log(ref)
+        if ref.digest is not None and not _holds(ctx, ref.name, ref.digest, events):
+            raise OciError(404, "MANIFEST_UNKNOWN", f"{ref.digest} is not in {ref.name}")
+        events = tuple(e for e in events if readable_event(ctx, principal, e))
     else:  # the whole log names every repository: admin only
-        require(request, ctx, "*", "admin")
+        require_admin(request, ctx)
         events = ctx.registry.log(None)
     return {"events": [{"id": e.id, "at": e.at.isoformat() if e.at else None,
                         "action": e.action, "actor": e.actor, "host": e.host,
@@ -98,26 +125,41 @@ def log(request: Request, ctx: Context) -> dict[str, Any]:
                         "detail": dict(e.detail)} for e in events]}
 
 
+def _holds(ctx: Context, repository: str, digest: Digest,
+           events: tuple[EventRecord, ...]) -> bool:
+    """Whether `repository` holds `digest`, or did (its history outlives a gc)."""
+    if any(e.repository == repository for e in events):
+        return True
+    try:
+        return repository in ctx.catalog.artifact(digest).repositories
+    except NotFound:
+        return False
+
+
 def match(request: Request, ctx: Context) -> dict[str, Any]:
+    """The longest prefix among what the caller may read: the lookup itself is narrowed to
+    readable repositories, so another tenant's graft neither answers nor hides one, and
+    the answer names only readable `repository:tag`s."""
+    from kvgraft.catalog.lookup import repositories
     from kvgraft.services.match import match as prefix_match
+    from kvgraft.services.prefixindex import CatalogPrefixIndex
 
     principal = principal_of(request, ctx)
     raw = request.query_params.get("q")
     if raw is None or len(raw) > MAX_BODY:
         raise OciError(400, "UNSUPPORTED",
                        'give ?q={"model": {architecture, tokenizer, weights}, "tokens": [...]}')
-    try:
-        query = json.loads(raw)
-        identity = ModelIdentity.from_json(query["model"])
-        tokens = [int(t) for t in query["tokens"]]
-    except (ValueError, KeyError, TypeError, UsageError) as e:
-        raise OciError(400, "UNSUPPORTED", f"malformed match query: {e}") from None
-    found = prefix_match(ctx.registry, identity, tokens)
+    identity, tokens = _match_query(raw)
+    readable = frozenset(r for r in repositories(ctx.catalog)
+                         if principal.may(ctx.settings, r, "pull"))
+    if not readable:
+        return {"match": None}
+    found = prefix_match(ctx.registry, identity, tokens,
+                         index=CatalogPrefixIndex(ctx.catalog, within=readable))
     if found is None:
         return {"match": None}
-    repos = ctx.catalog.artifact(found.digest).repositories
-    if not any(principal.may(ctx.settings, r, "pull") for r in repos):
-        return {"match": None}  # what the caller may not pull does not exist for them
+    found = dataclasses.replace(found, references=tuple(
+        r for r in found.references if r.partition(":")[0] in readable))
     return {"match": found.to_json()}
 
 
@@ -142,13 +184,25 @@ def stats(request: Request, ctx: Context) -> dict[str, Any]:
     return report.to_json()
 
 
+def _match_query(raw: str) -> tuple[ModelIdentity, list[int]]:
+    query = json_body(raw.encode("utf-8", "replace"))
+    model, tokens = (query.get("model"), query.get("tokens")) if isinstance(query, dict) \
+        else (None, None)
+    if not isinstance(model, dict) or not isinstance(tokens, list) or not all(
+            type(t) is int for t in tokens):
+        raise OciError(400, "UNSUPPORTED", "a match query is {\"model\": {...}, "
+                       "\"tokens\": [integers]}")
+    try:
+        return ModelIdentity.from_json(model), tokens
+    except (ValueError, KeyError, TypeError, AttributeError, UsageError) as e:
+        raise OciError(400, "UNSUPPORTED", f"malformed match query: {e}") from None
+
+
 def stored(request: Request, ctx: Context) -> Response:
     """A graft blob exactly as stored (encoded, self-describing): what an HTTP remote's pull
     fetches into its machine cache and verifies there. `Range: bytes=N-` resumes. With
     `--redirect-blobs` and a store that presigns, a 307 to the store instead."""
     from starlette.responses import StreamingResponse
-
-    from kvgraft.digest import Digest
 
     repository = request.query_params.get("repository", "")
     require(request, ctx, repository, "pull")
@@ -171,7 +225,7 @@ def stored(request: Request, ctx: Context) -> Response:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is missing from the store")
     start = 0
     rng = request.headers.get("range", "")
-    if rng.startswith("bytes=") and rng.endswith("-") and rng[6:-1].isdigit():
+    if rng.startswith("bytes=") and rng.endswith("-") and digits(rng[6:-1]):
         start = int(rng[6:-1])
         if start >= info.stored_size:
             return Response(status_code=416,

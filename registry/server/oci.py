@@ -12,25 +12,27 @@ from urllib.parse import quote, urlencode
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
+from kvgraft import strictjson
 from kvgraft.catalog.oci import OciManifest
 from kvgraft.digest import Digest
-from kvgraft.errors import NotFound, RegistryError, UsageError
+from kvgraft.errors import IntegrityError, NotFound, RegistryError, UsageError
 from kvgraft.oci import graft as ocigraft
 from kvgraft.reference import Reference, check_name, check_tag
 from kvgraft.server import content
 from kvgraft.server.context import Context
-from kvgraft.server.errors import OciError
+from kvgraft.server.errors import OciError, digits
 from kvgraft.server.uploads import Upload
 
 _ROUTE = re.compile(
     r"(?P<name>.+?)/(?:"
     r"blobs/uploads/(?P<upload>[^/]*)|blobs/(?P<blob>[^/]+)|manifests/(?P<ref>[^/]+)"
     r"|tags/(?P<tags>list)|referrers/(?P<subject>[^/]+))")
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
-_CONTENT_RANGE = re.compile(r"(?:bytes )?(\d+)-(\d+)(?:/\d+|/\*)?")
+_RANGE = re.compile(r"bytes=([0-9]{0,18})-([0-9]{0,18})")
+_CONTENT_RANGE = re.compile(r"(?:bytes )?([0-9]{1,18})-([0-9]{1,18})(?:/[0-9]+|/\*)?")
 _NONDISTRIBUTABLE = "nondistributable"
+_TYPE_MAX = 255  # the catalog's column (RFC 6838 bounds a media type's parts to 127 each)
 _ACTIONS = {"GET": "pull", "HEAD": "pull", "POST": "push", "PUT": "push", "PATCH": "push",
             "DELETE": "delete"}
 
@@ -163,9 +165,15 @@ async def _blob(request: Request, ctx: Context, name: str, ref: str) -> Response
     try:
         body = await run_in_threadpool(content.open_blob, ctx.store, digest, size,
                                        start, end)
+        if body.length <= content.VERIFY_FIRST:  # checked whole before the status line
+            data = await run_in_threadpool(lambda: b"".join(body.pieces))
+            return Response(data, status_code=status, headers=headers)
+    except IntegrityError as e:  # the store is at fault, not the request
+        raise OciError(500, "UNKNOWN", f"stored blob {digest} is corrupt: {e.message}",
+                       detail={"repair": "kvgraft audit; push the content again"}) from None
     except NotFound:
         raise OciError(404, "BLOB_UNKNOWN", f"blob {digest} is missing from the store") from None
-    return StreamingResponse(body.pieces, status_code=status, headers=headers)
+    return content.CheckedStream(body.pieces, status_code=status, headers=headers)
 
 
 def _delete_blob(request: Request, ctx: Context, name: str, digest: str) -> Response:
@@ -194,7 +202,7 @@ async def _receive(request: Request, fd: int, already: int, limit: int) -> int:
     would take the blob past `limit`, or that is shorter or longer than its Content-Length."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not digits(declared):
             raise OciError(400, "SIZE_INVALID", "Content-Length is not a number")
         if already + int(declared) > limit:
             raise OciError(413, "SIZE_INVALID",
@@ -266,7 +274,7 @@ def _check_content_range(request: Request, size: int, name: str, upload: Upload)
                        f"chunk starts at {m.group(1)}, the upload holds {size} bytes",
                        headers=_upload_headers(name, upload, size))
     length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and \
+    if length is not None and digits(length) and \
             int(m.group(2)) - int(m.group(1)) + 1 != int(length):
         raise OciError(416, "BLOB_UPLOAD_INVALID",
                        f"Content-Range {value} does not match Content-Length {length}",
@@ -378,7 +386,7 @@ async def _manifest(request: Request, ctx: Context, name: str, ref: str) -> Resp
 
 async def _read_limited(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and digits(declared) and int(declared) > limit:
         raise OciError(413, "MANIFEST_INVALID", f"manifest larger than {limit} bytes")
     parts: list[bytes] = []
     total = 0
@@ -391,14 +399,14 @@ async def _read_limited(request: Request, limit: int) -> bytes:
     except ClientDisconnect:
         raise OciError(400, "MANIFEST_INVALID", "the client went away mid-manifest") from None
     raw = b"".join(parts)
-    if declared is not None and declared.isdigit() and len(raw) != int(declared):
+    if declared is not None and digits(declared) and len(raw) != int(declared):
         raise OciError(400, "MANIFEST_INVALID", "manifest shorter than its Content-Length")
     return raw
 
 
 def _descriptor(d: Any, what: str) -> tuple[str, int, str]:
     if not isinstance(d, dict) or not isinstance(d.get("size"), int) or d["size"] < 0 \
-            or not isinstance(d.get("mediaType"), str):
+            or not isinstance(d.get("mediaType"), str) or len(d["mediaType"]) > _TYPE_MAX:
         raise OciError(400, "MANIFEST_INVALID", f"{what} is not a valid descriptor")
     return _digest(str(d.get("digest", "")), "MANIFEST_INVALID"), d["size"], d["mediaType"]
 
@@ -424,15 +432,22 @@ def _manifest_tags(request: Request, ref: str, digest: str) -> list[str]:
 def _manifest_doc(request: Request, raw: bytes) -> tuple[dict[str, Any], str]:
     """The manifest's JSON object and its media type (named inside, or by Content-Type)."""
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
-        raise OciError(400, "MANIFEST_INVALID", "manifest is not JSON") from None
+        doc = strictjson.loads(raw)
+        strictjson.check_storable(doc)
+    except ValueError as e:
+        raise OciError(400, "MANIFEST_INVALID", f"manifest is not JSON kvgraft accepts: "
+                       f"{e}") from None
     if not isinstance(doc, dict) or doc.get("schemaVersion") != 2:
         raise OciError(400, "MANIFEST_INVALID", "manifest needs schemaVersion 2")
     header_type = request.headers.get("content-type", "").split(";")[0].strip()
     media_type = doc.get("mediaType") or header_type
     if not isinstance(media_type, str) or not media_type:
         raise OciError(400, "MANIFEST_INVALID", "manifest names no mediaType")
+    artifact_type = doc.get("artifactType")
+    if len(media_type) > _TYPE_MAX or (isinstance(artifact_type, str)
+                                       and len(artifact_type) > _TYPE_MAX):
+        raise OciError(400, "MANIFEST_INVALID",
+                       f"a media or artifact type is longer than {_TYPE_MAX} characters")
     if doc.get("mediaType") and header_type and header_type != doc["mediaType"]:
         raise OciError(400, "MANIFEST_INVALID",
                        f"Content-Type {header_type} differs from mediaType {doc['mediaType']}")
@@ -541,7 +556,7 @@ def _delete_manifest(request: Request, ctx: Context, name: str, ref: str) -> Res
 def _tags(request: Request, ctx: Context, name: str) -> Response:
     q = request.query_params
     n_text = q.get("n")
-    if n_text is not None and not n_text.isdigit():
+    if n_text is not None and not digits(n_text, 9):
         raise OciError(400, "UNSUPPORTED", "n must be a non-negative integer")
     n = int(n_text) if n_text is not None else ctx.settings.page_size
     n = min(n, ctx.settings.page_size)
@@ -578,7 +593,7 @@ def _referrers(request: Request, ctx: Context, name: str, subject_text: str) -> 
         descriptors.append(d)
     artifact = ctx.oci.graft_for(name, subject)
     if artifact is not None:  # a graft: its attestations and signatures refer to it
-        for att in ctx.attestations(Digest.parse(artifact)):
+        for att in ctx.attestations(Digest.parse(artifact), within=name):
             if wanted is None or att.artifact_type == wanted:
                 descriptors.append({"mediaType": ocigraft.OCI_MANIFEST, "digest": att.digest,
                                     "size": len(att.manifest),

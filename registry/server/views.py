@@ -28,7 +28,7 @@ from kvgraft.provenance import (
 from kvgraft.provenance.audit import origin
 from kvgraft.provenance.policy import assess_all
 from kvgraft.provenance.statement import fidelity_identity
-from kvgraft.server.context import server_catalog
+from kvgraft.server.context import attestation_homes, server_catalog
 from kvgraft.server.lineage import Graph, build, repository_of, restrict
 
 EVENTS_SHOWN = 100
@@ -117,9 +117,15 @@ class ArtifactView:
         return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
 
 
-def _origin_events(registry: Registry, digest: Digest) -> list[EventRecord]:
-    firsts = [e for action in ("push", "copy")
-              for e in server_catalog(registry).events(digest=digest, action=action, limit=1)]
+def _origin_events(registry: Registry, digest: Digest,
+                   visible: Callable[[str], bool]) -> list[EventRecord]:
+    """The first push and copy of `digest` into a repository the viewer may read: who
+    first pushed the same bytes elsewhere (actor, host) is another tenant's business."""
+    firsts = []
+    for action in ("push", "copy"):
+        events = server_catalog(registry).events(digest=digest, action=action,
+                                                 limit=1 if visible is everything else None)
+        firsts += [e for e in events if e.repository is not None and visible(e.repository)][:1]
     return sorted(firsts, key=lambda e: e.id or 0)
 
 
@@ -157,7 +163,10 @@ def artifact_view(registry: Registry, digest: Digest,
     if not repos:
         raise NotVisible(f"artifact {digest} is not in the catalog")
     tags: tuple[TagRecord, ...] = tuple(t for t in record.tags if visible(t.repository))
-    record = dataclasses.replace(record, repositories=repos, tags=tags)
+    labels = {r: v for r, v in record.repository_labels.items() if visible(r)}
+    record = dataclasses.replace(record, repositories=repos, tags=tags, repository_labels=labels,
+                                 labels={k: v for r in sorted(labels, reverse=True)
+                                         for k, v in labels[r].items()})
     manifest = Manifest.parse(record.manifest, digest)  # hashes to `digest` or raises
     found, more = shared_chunks(catalog, digest)
     sharing = _visible_sharing(found, visible)
@@ -170,19 +179,20 @@ def artifact_view(registry: Registry, digest: Digest,
                             blobs[c.digest].stored_size if c.digest in blobs else None,
                             blobs[c.digest].codec if c.digest in blobs else None,
                             holders.get(c.index, 0)) for c in manifest.chunks)
-    first = origin(_origin_events(registry, digest))
-    if first is not None and first.repository is not None and not visible(first.repository):
-        first = dataclasses.replace(first, repository=None, tag=None)
+    first = origin(_origin_events(registry, digest, visible))
     statement = provenance_statement(manifest, first, name=repos[0])
     trusted, trust_problem = _trusted(registry)
     names = {k.keyid: k.name for k in trusted.values() if k.name}
     if trust_problem is None:
         names.update({i.keyid: i.name for i in registry.keyring.listing() if i.name})
+    homes = attestation_homes(catalog, digest)
     attestations = tuple(
         AttestationView(s, tuple(names.get(k, k[:16]) for k in s.signers))
-        for s in assess_all(catalog, digest, trusted))
+        for s in assess_all(catalog, digest, trusted)
+        if visible is everything or any(visible(r) for r in homes.get(s.id or 0, ())))
     events, total = recent_events(catalog, digest, limit=EVENTS_SHOWN)
-    shown = tuple(e for e in events if e.repository is None or visible(e.repository))
+    shown = tuple(e for e in events if visible is everything
+                  or (e.repository is not None and visible(e.repository)))
     graph = restrict(build(catalog, digest, manifest.parents), visible)
     sizes = {c.index: c.size for c in manifest.chunks}
     shared = tuple(SharingView.of(s, sizes, len(manifest.chunks)) for s in sharing)

@@ -33,7 +33,7 @@ from kvgraft.errors import NotFound, RegistryError, Unavailable, UsageError
 from kvgraft.reference import Reference, check_name
 from kvgraft.server.context import server_catalog
 from kvgraft.server.lineage import svg
-from kvgraft.server.views import NotVisible, artifact_view, everything
+from kvgraft.server.views import artifact_view, everything
 
 PAGE_SIZE = 200
 # The pages run no script and load nothing from elsewhere: a policy that says so turns
@@ -138,8 +138,9 @@ class _Pages:
     def hidden(self, request: Request, e: NotFound) -> Response:
         """What a viewer gets for something it may not read: without credentials, a
         challenge (the browser asks for a token), whether or not it exists; with them,
-        the same answer as for something that does not exist."""
-        if "authorization" in request.headers:
+        the same answer as for something that does not exist. A page with no access
+        rule (everything readable) hides nothing: a plain 404."""
+        if self.access is None or "authorization" in request.headers:
             return self.failed(request, e)
         return self.failed(request, RegistryError(
             "this needs a token with pull access",
@@ -194,7 +195,7 @@ class _Pages:
             view = artifact_view(self.open_registry(), digest, self.viewer(request))
         except PermissionError as e:
             return self.unauthorised(request, e)
-        except NotVisible as e:
+        except NotFound as e:  # missing or hidden: one answer, so neither is an oracle
             return self.hidden(request, e)
         except RegistryError as e:  # a corrupt manifest too: said, never shown
             return self.failed(request, e)
@@ -234,7 +235,6 @@ def _offset(query: Search, given: str) -> int:
     """The listing's offset, once the search text is known to be short enough."""
     if max(len(query.name), len(query.label), len(query.model)) > _QUERY_MAX:
         raise UsageError(f"search text is longer than {_QUERY_MAX} characters")
-    try:
-        return max(0, int(given))
-    except ValueError:
-        raise UsageError("offset must be a whole number") from None
+    if not (given.isascii() and given.isdigit() and len(given) <= 9):
+        raise UsageError("offset must be a whole number below 10**9")
+    return int(given)

@@ -71,7 +71,7 @@ class Listing:
         ref = Reference.parse(ref) if isinstance(ref, str) else ref
         digest = self.backends.resolve(ref)
         catalog = self.backends.catalog
-        record = catalog.artifact(digest)
+        record = catalog.artifact(digest, ref.name)
         manifest = self.manifests.get(digest)
         blobs = catalog.blob_records(c.digest for c in manifest.chunks)
         chunks = tuple({

@@ -15,7 +15,7 @@ from kvgraft.identity.model import ModelIdentity
 
 if TYPE_CHECKING:
     from kvgraft.services.backends import Backends
-    from kvgraft.services.prefixindex import Candidate
+    from kvgraft.services.prefixindex import Candidate, PrefixIndex
     from kvgraft.services.transfers import OpenedArtifact
 
 MAX_CANDIDATES = 32  # artifacts whose tokens are compared past the last shared chunk
@@ -84,7 +84,7 @@ def _repositories(registry: Opener, c: Candidate) -> tuple[str, ...]:
 
 def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *,
           max_candidates: int = MAX_CANDIDATES, require_signed_by: Sequence[str] = (),
-          require_verified: bool = False,
+          require_verified: bool = False, index: PrefixIndex | None = None,
           repositories: Callable[[str], bool] | None = None) -> PrefixMatch | None:
     """The artifact with the longest prefix of `token_ids` cached for `identity` (None if
     no artifact shares even one token). Ties go to the newest artifact.
@@ -92,9 +92,10 @@ def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *
     Only artifacts the policy accepts are answered (each candidate is opened through
     `Registry.open`, `require_signed_by` and `require_verified` adding to the policy of
     config.toml); when every artifact holding a prefix is refused, the refusal is raised
-    (PolicyRefused, exit 4) rather than answering nothing. With `repositories`, only
-    artifacts pushed into a repository it accepts are candidates (the others are never
-    opened)."""
+    (PolicyRefused, exit 4) rather than answering nothing. `index`: where candidates come
+    from (the backends' prefix index by default; a server narrows it to what its caller
+    may read). With `repositories`, only artifacts pushed into a repository it accepts are
+    candidates (the others are never opened)."""
     from kvgraft.provenance import PolicyRefused
 
     ids = [int(t) for t in token_ids]
@@ -102,7 +103,8 @@ def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *
         return None
     best: tuple[PrefixMatch, Candidate] | None = None
     refused: PolicyRefused | None = None
-    for c in registry.backends.prefix_index().candidates(identity, ids, max_candidates):
+    index = index or registry.backends.prefix_index()
+    for c in index.candidates(identity, ids, max_candidates):
         if repositories is not None and not any(
                 repositories(r) for r in _repositories(registry, c)):
             continue

@@ -13,7 +13,7 @@ chunk, over a bounded number of candidates.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -42,8 +42,12 @@ class PrefixIndex(Protocol):
 
 
 class CatalogPrefixIndex:
-    def __init__(self, catalog: Catalog) -> None:
+    """`within`: the repositories candidates may come from (a server answering one
+    caller), every repository when None."""
+
+    def __init__(self, catalog: Catalog, within: Collection[str] | None = None) -> None:
         self.catalog = catalog
+        self.within = within
 
     def candidates(self, identity: ModelIdentity, ids: Sequence[int],
                    limit: int) -> Iterator[Candidate]:
@@ -66,16 +70,17 @@ class CatalogPrefixIndex:
 
         keys = prefix_keys(identity, query, c)
         full = n // c  # the last key covers a partial span unless this divides
-        shared = deepest_prefix(self.catalog, keys[:full])
+        shared = deepest_prefix(self.catalog, keys[:full], self.within)
         found: dict[Digest, int] = {}
         if shared:
-            for digest, _ in artifacts_with_key(self.catalog, keys[shared - 1], limit):
+            for digest, _ in artifacts_with_key(self.catalog, keys[shared - 1], limit,
+                                                self.within):
                 found[digest] = shared * c
         rest = min(n - shared * c, c - 1)  # a span of c tokens would be a full chunk
         tails = tail_keys(identity, query, keys[shared - 1] if shared else None, shared * c,
                           rest)
         length_of = {k: shared * c + r for r, k in enumerate(tails, start=1)}
-        for digest, key in artifacts_with_keys(self.catalog, tails, limit):
+        for digest, key in artifacts_with_keys(self.catalog, tails, limit, self.within):
             found[digest] = max(found.get(digest, 0), length_of[key])
         return shared, found
 

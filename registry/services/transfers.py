@@ -215,7 +215,7 @@ class Transfers:
         manifest = self.manifests.from_catalog(digest)
         src_store, dst_store = self.backends.blobs(src.name), target.backends.blobs(dst.name)
         stats = copy_blobs(manifest, src_store, dst_store)
-        labels = self.backends.catalog.artifact(digest).labels
+        labels = self.backends.catalog.artifact(digest, src.name).labels
         detail = {"source": f"{self.backends.config.remote or 'local'}:{src}",
                   "target": f"{target.backends.config.remote or 'local'}:{dst}",
                   "blobs_copied": stats.copied, "bytes_copied": stats.copied_bytes}

@@ -94,3 +94,29 @@ def server_env(home: Path, **more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRAFT_")}
     env.update(KVGRAFT_HOME=str(home), KVGRAFT_CACHE=str(home / "cache"), **more)
     return env
+
+
+@contextmanager
+def catalog_env(request: object, home: Path) -> Iterator[dict[str, str]]:
+    """A server environment whose catalog is SQLite in `home`, or (when the pytest
+    `request` is parametrized "postgres") a fresh schema on the test PostgreSQL, upgraded
+    and dropped afterwards."""
+    import uuid
+
+    from sqlalchemy import create_engine, text
+
+    if getattr(request, "param", "sqlite") != "postgres":
+        yield server_env(home)
+        return
+    base: str = request.getfixturevalue("postgres_server")  # type: ignore[attr-defined]
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    with create_engine(base).begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    sep = "&" if "?" in base else "?"
+    env = server_env(home, KVGRAFT_CATALOG_URL=f"{base}{sep}options=-csearch_path%3D{schema}")
+    try:
+        kvgraft(env, "db", "upgrade")
+        yield env
+    finally:
+        with create_engine(base).begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
