@@ -1,87 +1,115 @@
-"""Prefix-lookup queries over artifact_chunks.prefix_key (an indexed equality column).
+"""Prefix-lookup queries over artifact_chunks.prefix_key.
 
-Every query here is an index seek: no query reads rows in proportion to the catalog size.
+Every query here is an index seek: none reads rows in proportion to the catalog size, nor
+to how many artifacts share a key. The index (prefix_key, created_at, artifact_digest)
+hands out the artifacts holding a key newest first, read backwards from the key's end, so
+a key thousands of artifacts share (a system prompt's) costs what a rare one does.
+
+A lookup runs its queries over one connection and one transaction (`PrefixLookup`): a
+checkout from the pool (with its liveness ping) and a BEGIN per query were most of a
+lookup's time (docs/deploy.md, "Catalog at scale").
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
-from sqlalchemy import select, text
+from sqlalchemy import ARRAY, Connection, String, any_, bindparam, select, text
 
-from kvgraft.catalog.catalog import Catalog
-from kvgraft.catalog.models import ArtifactChunkRow, ArtifactRow, ModelRow
+from kvgraft.catalog.models import ArtifactChunkRow
+from kvgraft.catalog.reader import CatalogReader
 from kvgraft.catalog.records import stored_digest
 from kvgraft.digest import Digest
 
+_C = ArtifactChunkRow.__table__.c
+# A skip scan over (model_id, chunk_tokens): each step seeks the next larger size.
+_SIZES = text(
+    "WITH RECURSIVE m(id) AS (SELECT id FROM models WHERE identity = :identity),"
+    " sizes(c) AS ("
+    " SELECT MIN(chunk_tokens) FROM artifacts WHERE model_id = (SELECT id FROM m)"
+    " UNION ALL"
+    " SELECT (SELECT MIN(chunk_tokens) FROM artifacts"
+    "         WHERE model_id = (SELECT id FROM m) AND chunk_tokens > sizes.c)"
+    " FROM sizes WHERE sizes.c IS NOT NULL)"
+    " SELECT c FROM sizes WHERE c IS NOT NULL")
 
-def chunk_sizes(catalog: Catalog, identity_key: Digest) -> list[int]:
-    """The distinct chunk sizes of the model's artifacts, most common first.
 
-    The model row is found by its unique identity; its artifacts through the model_id
-    index. Read once per lookup (a handful of values)."""
-    with catalog._session() as s:
-        model_id = s.scalar(select(ModelRow.id).where(ModelRow.identity == str(identity_key)))
-        if model_id is None:
+class PrefixLookup:
+    """The queries of one prefix lookup, over one connection inside one transaction."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def chunk_sizes(self, identity_key: Digest) -> list[int]:
+        """The distinct chunk sizes of the model's artifacts, smallest first (one query:
+        the model by its unique identity, its sizes through (model_id, chunk_tokens))."""
+        rows = self.conn.execute(_SIZES, {"identity": str(identity_key)}).all()
+        return sorted(int(r[0]) for r in rows)
+
+    def has_prefix_key(self, key: Digest) -> bool:
+        return self.conn.execute(select(_C.idx).where(
+            _C.prefix_key == str(key)).limit(1)).first() is not None
+
+    def deepest_prefix(self, keys: Sequence[Digest]) -> int:
+        """How many leading keys of a chain are in the catalog (0..len(keys)).
+
+        A chain is prefix-closed (an artifact holding key c holds keys 0..c-1 too), so a
+        binary search needs log2(len(keys)) single-row index seeks."""
+        lo, hi = 0, len(keys)  # keys[:lo] are present; keys[hi:] are not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.has_prefix_key(keys[mid - 1]):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def artifacts_with_keys(self, keys: Sequence[Digest],
+                            limit: int) -> list[tuple[Digest, Digest]]:
+        """(artifact digest, the key it holds) of up to `limit` artifacts whose chain holds
+        one of `keys`, newest first: an index seek per key, the newest entries of each."""
+        if not keys:
             return []
-        # A skip scan: each step seeks the next larger size in (model_id, chunk_tokens).
-        rows = s.execute(text(
-            "WITH RECURSIVE sizes(c) AS ("
-            " SELECT MIN(chunk_tokens) FROM artifacts WHERE model_id = :m"
-            " UNION ALL"
-            " SELECT (SELECT MIN(chunk_tokens) FROM artifacts"
-            "         WHERE model_id = :m AND chunk_tokens > sizes.c)"
-            " FROM sizes WHERE sizes.c IS NOT NULL)"
-            " SELECT c FROM sizes WHERE c IS NOT NULL"), {"m": model_id}).all()
-    return sorted(int(r[0]) for r in rows)
-
-
-def has_prefix_key(catalog: Catalog, key: Digest) -> bool:
-    with catalog._session() as s:
-        return s.scalar(select(ArtifactChunkRow.idx).where(
-            ArtifactChunkRow.prefix_key == str(key)).limit(1)) is not None
-
-
-def deepest_prefix(catalog: Catalog, keys: Sequence[Digest]) -> int:
-    """How many leading keys of a chain are in the catalog (0..len(keys)).
-
-    A chain is prefix-closed (an artifact holding key c holds keys 0..c-1 too), so a
-    binary search needs log2(len(keys)) single-row index seeks."""
-    lo, hi = 0, len(keys)  # keys[:lo] are present; keys[hi:] are not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if has_prefix_key(catalog, keys[mid - 1]):
-            lo = mid
+        texts = [str(k) for k in keys]
+        if len(texts) == 1:
+            where = _C.prefix_key == texts[0]
+        elif self.conn.dialect.name == "postgresql":
+            # One array parameter: an IN list of up to 255 placeholders cost the driver
+            # more to parse, each time, than PostgreSQL took to answer it.
+            where = _C.prefix_key == any_(bindparam("keys", texts, type_=ARRAY(String)))
         else:
-            hi = mid - 1
-    return lo
+            where = _C.prefix_key.in_(texts)
+        rows = self.conn.execute(
+            select(_C.artifact_digest, _C.prefix_key).where(where)
+            .order_by(_C.created_at.desc(), _C.artifact_digest.desc()).limit(limit)).all()
+        return [(stored_digest(d, "artifact_chunks"), stored_digest(k, "artifact_chunks"))
+                for d, k in rows]
 
 
-def artifacts_with_key(catalog: Catalog, key: Digest, limit: int) -> list[tuple[Digest, int]]:
-    """(artifact digest, token count) of up to `limit` artifacts whose chain holds `key`,
-    newest first."""
-    with catalog._session() as s:
-        rows = s.execute(
-            select(ArtifactRow.digest, ArtifactRow.token_count)
-            .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
-            .where(ArtifactChunkRow.prefix_key == str(key))
-            .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
-            .limit(limit)).all()
-    return [(stored_digest(d, "artifacts"), int(n)) for d, n in rows]
+@contextmanager
+def prefix_lookup(catalog: CatalogReader) -> Iterator[PrefixLookup]:
+    with catalog._guard(), catalog.engine.connect() as conn, conn.begin():
+        yield PrefixLookup(conn)
 
 
-def artifacts_with_keys(catalog: Catalog, keys: Sequence[Digest],
+def chunk_sizes(catalog: CatalogReader, identity_key: Digest) -> list[int]:
+    with prefix_lookup(catalog) as q:
+        return q.chunk_sizes(identity_key)
+
+
+def has_prefix_key(catalog: CatalogReader, key: Digest) -> bool:
+    with prefix_lookup(catalog) as q:
+        return q.has_prefix_key(key)
+
+
+def deepest_prefix(catalog: CatalogReader, keys: Sequence[Digest]) -> int:
+    with prefix_lookup(catalog) as q:
+        return q.deepest_prefix(keys)
+
+
+def artifacts_with_keys(catalog: CatalogReader, keys: Sequence[Digest],
                         limit: int) -> list[tuple[Digest, Digest]]:
-    """(artifact digest, the key it holds) of up to `limit` artifacts whose chain holds one
-    of `keys`, newest first: one IN query, an index seek per key."""
-    if not keys:
-        return []
-    with catalog._session() as s:
-        rows = s.execute(
-            select(ArtifactRow.digest, ArtifactChunkRow.prefix_key)
-            .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
-            .where(ArtifactChunkRow.prefix_key.in_([str(k) for k in keys]))
-            .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
-            .limit(limit)).all()
-    return [(stored_digest(d, "artifacts"), stored_digest(k, "artifact_chunks"))
-            for d, k in rows]
+    with prefix_lookup(catalog) as q:
+        return q.artifacts_with_keys(keys, limit)
+

@@ -16,7 +16,7 @@ from kvgraft.resources import migrations_dir
 if TYPE_CHECKING:
     from alembic.config import Config
 
-HEAD = "0004"
+HEAD = "0005"
 VERSION_TABLE = "alembic_version"
 
 
