@@ -222,6 +222,10 @@ class Loader:
         for g in gs:
             self.catalog.record_push(push_record(g, manifest(g)))
         self.check_pushed(gs)
+        self.resync()
+
+    def resync(self) -> None:
+        """Learn what others committed since (models, blobs, the chain's head)."""
         with self.catalog.engine.connect() as conn:
             self.models = dict(conn.execute(text("SELECT identity, id FROM models")).all())
             self.blobs = set(conn.execute(text("SELECT digest FROM blobs")).scalars())

@@ -34,6 +34,11 @@ _SIZES = text(
     " FROM sizes WHERE sizes.c IS NOT NULL)"
     " SELECT c FROM sizes WHERE c IS NOT NULL")
 
+# Which of the keys (by position, from 1) some artifact holds.
+_HELD = text(
+    "SELECT k.n FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS k(key, n)"
+    " WHERE EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key)")
+
 
 class PrefixLookup:
     """The queries of one prefix lookup, over one connection inside one transaction."""
@@ -54,8 +59,12 @@ class PrefixLookup:
     def deepest_prefix(self, keys: Sequence[Digest]) -> int:
         """How many leading keys of a chain are in the catalog (0..len(keys)).
 
-        A chain is prefix-closed (an artifact holding key c holds keys 0..c-1 too), so a
-        binary search needs log2(len(keys)) single-row index seeks."""
+        PostgreSQL is asked which of the keys it holds in one query (an index seek per
+        key); elsewhere, a chain being prefix-closed (an artifact holding key c holds keys
+        0..c-1 too), a binary search needs log2(len(keys)) single-row index seeks."""
+        if self.conn.dialect.name == "postgresql" and keys:
+            held = set(self.conn.execute(_HELD, {"keys": [str(k) for k in keys]}).scalars())
+            return next((i for i in range(len(keys)) if i + 1 not in held), len(keys))
         lo, hi = 0, len(keys)  # keys[:lo] are present; keys[hi:] are not
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -89,8 +98,10 @@ class PrefixLookup:
 
 @contextmanager
 def prefix_lookup(catalog: CatalogReader) -> Iterator[PrefixLookup]:
-    with catalog._guard(), catalog.engine.connect() as conn, conn.begin():
-        yield PrefixLookup(conn)
+    # Each query its own snapshot, no BEGIN and COMMIT: a lookup only proposes candidates
+    # (the match opens each one), so it needs no snapshot across its queries.
+    with catalog._guard(), catalog.engine.connect() as conn:
+        yield PrefixLookup(conn.execution_options(isolation_level="AUTOCOMMIT"))
 
 
 def chunk_sizes(catalog: CatalogReader, identity_key: Digest) -> list[int]:

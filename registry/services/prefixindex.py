@@ -73,8 +73,14 @@ class CatalogPrefixIndex:
         shared = q.deepest_prefix(keys[:full])
         found: dict[Digest, int] = {}
         if shared:
-            for digest, _ in q.artifacts_with_keys(keys[shared - 1:shared], limit):
-                found[digest] = shared * c
+            holders = q.artifacts_with_keys(keys[shared - 1:shared], limit)
+            found = {digest: shared * c for digest, _ in holders}
+            if len(holders) < limit:
+                # Every artifact a tail key would find holds keys[shared - 1] too (chains
+                # are prefix-closed), so it is among these already, and the match compares
+                # its tokens past the shared chunks: the tail keys' index seeks (up to c-1
+                # of them) are needed only when more artifacts share the prefix.
+                return shared, found
         rest = min(n - shared * c, c - 1)  # a span of c tokens would be a full chunk
         tails = tail_keys(identity, query, keys[shared - 1] if shared else None, shared * c,
                           rest)
