@@ -64,7 +64,9 @@ demo: venv
 demo-vllm: venv
 	$(BIN)/python -m scripts.demo_vllm
 
+# The report's plots need matplotlib, which nothing else does: installed here, not in venv.
 bench: venv
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m benchmarks.run
 
 wheel: venv

@@ -328,26 +328,13 @@ def run(report: Callable[[dict[str, Any]], None], workdir: Path = Path(".bench")
 def plot(rows: Sequence[dict[str, Any]], out: Path) -> bool:
     """Lookup latency against catalog size; False when matplotlib is missing."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ModuleNotFoundError:
         print("no matplotlib: `pip install kvgraft[bench]` for the plot")
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from benchmarks.report import plot_lookup
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    sizes = [r["chunk_rows"] for r in rows]
-    for clients, style in (("1", "-"), ("16", "--")):
-        for q, marker in (("p50", "o"), ("p99", "s")):
-            ax.plot(sizes, [r["lookup_ms"][clients][q] for r in rows], style, marker=marker,
-                    label=f"{q}, {clients} client{'s' if clients != '1' else ''}")
-    ax.axhline(20, color="grey", linewidth=0.8, linestyle=":", label="20 ms target")
-    ax.set(xscale="log", xlabel="chunk rows in the catalog", ylabel="prefix lookup (ms)",
-           title="Prefix lookup against catalog size (PostgreSQL)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    plot_lookup(rows, out)
     return True
 
 
