@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from benchmarks import report
 from tests.support.harness import unavailable
 
-ROWS = [
+ROWS: list[dict[str, Any]] = [
     {"bench": "vllm", "tokens": 512, "cold_s": 0.2, "prefix_hit_s": 0.02, "restored_s": 0.03,
      "restored_machine_cache_s": 0.04, "example_s": 0.05},
     {"bench": "vllm", "tokens": 2048, "cold_s": 0.9, "prefix_hit_s": 0.03, "restored_s": 0.05,
@@ -26,7 +27,7 @@ ROWS = [
 ]
 
 
-def _results(tmp_path: Path, rows: list[dict[str, object]]) -> Path:
+def _results(tmp_path: Path, rows: list[dict[str, Any]]) -> Path:
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"when": "2026-12-04T00:00:00Z", "machine": {"cpus": 2},
                                 "rows": rows}))
