@@ -245,6 +245,15 @@ def shorten(plan: str) -> str:
     return re.sub(r"((?:sha256:\w+…,){3})(?:sha256:\w+…,)+", r"\1…,", plan)
 
 
+# The query prefix lookup made before migration 0005, for the key most artifacts share.
+OLD_HOLDERS = (
+    "SELECT a.digest, a.token_count FROM artifacts a"
+    " JOIN artifact_chunks c ON c.artifact_digest = a.digest"
+    " WHERE c.prefix_key = (SELECT prefix_key FROM artifact_chunks"
+    "                       GROUP BY prefix_key ORDER BY count(*) DESC LIMIT 1)"
+    " ORDER BY a.created_at DESC, a.digest LIMIT 32")
+
+
 def plans(url: str, qs: Sequence[Query]) -> str:
     """The plans of one lookup per kind of query, of `ls` and of the gc inventory."""
     catalog = Catalog(make_engine(url), url)
@@ -254,6 +263,8 @@ def plans(url: str, qs: Sequence[Query]) -> str:
             with captured() as got:
                 list(CatalogPrefixIndex(catalog).candidates(*qs[kind], MAX_CANDIDATES))
             out.append(explain(url, f"lookup (query kind {kind})", got))
+        out.append(explain(url, "before 0005: the newest holders of the most shared key",
+                           [(OLD_HOLDERS, {})]))
         with registry(url) as reg:
             with captured() as got:
                 reg.list()
