@@ -317,7 +317,12 @@ def fill_to(loader: Loader, source: Iterator[Graft], loaded: list[Graft], size: 
 def run(report: Callable[[dict[str, Any]], None], workdir: Path = Path(".bench"), *,
         sizes: Sequence[int] = SIZES, explain_plans: bool = True) -> None:
     found: list[dict[str, Any]] = []
-    with bench_schema(server_url()) as url:
+    try:
+        server = server_url()
+    except RuntimeError as e:
+        report({"bench": "catalog scale", "skipped": str(e)})
+        return
+    with bench_schema(server) as url:
         catalog = Catalog(make_engine(url), url)
         catalog.upgrade()
         loader, source = Loader(catalog), grafts()
