@@ -71,7 +71,9 @@ demo-vllm: venv
 demo-llamacpp: venv
 	$(BIN)/python -m scripts.demo_llamacpp
 
+# The report's plots need matplotlib, which nothing else does: installed here, not in venv.
 bench: venv
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m benchmarks.run
 
 wheel: venv

@@ -123,7 +123,7 @@ def match_row(workdir: Path, report: Callable[[dict[str, Any]], None],
                     key = hashlib.sha256(f"{i}/{c}".encode()).hexdigest()
                     chunk_rows.append({"artifact_digest": digest, "idx": c, "start": c * 128,
                                        "end": (c + 1) * 128, "blob_digest": blob,
-                                       "prefix_key": "sha256:" + key})
+                                       "prefix_key": "sha256:" + key, "created_at": now})
             conn.execute(insert(ArtifactRow), rows)
             conn.execute(insert(ArtifactChunkRow), chunk_rows)
     fill = time.perf_counter() - t0

@@ -1,8 +1,10 @@
 """`make bench`: every benchmark, each against a baseline measured in the same run.
 
-Rows are printed as they come and written to .bench/results.json.
-    python -m benchmarks.run [--size-mib 1024]
-        [--only startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,llamacpp]
+Rows are printed as they come and written to .bench/results.json; .bench/report.html
+shows them in plots (benchmarks.report).
+    python -m benchmarks.run [--size-mib 1024] [--quick]
+        [--only startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,llamacpp,catalog]
+--quick: the catalog at 10k and 100k chunk rows only (not 1M).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
     parser.add_argument("--only",
                         default="startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,"
-                                "llamacpp")
+                                "llamacpp,catalog")
+    parser.add_argument("--quick", action="store_true",
+                        help="the catalog at 10k and 100k chunk rows only")
     args = parser.parse_args()
     wanted = set(args.only.split(","))
     rows: list[dict[str, Any]] = []
@@ -73,12 +77,20 @@ def main() -> None:
         from benchmarks import llamacpp
 
         llamacpp.run(report, WORKDIR)
+    if "catalog" in wanted:
+        from benchmarks import catalog_scale
+
+        catalog_scale.run(report, WORKDIR, sizes=catalog_scale.QUICK if args.quick
+                          else catalog_scale.SIZES)
     result = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": {"cpus": __import__("os").cpu_count(),
                           "python": platform.python_version()},
               "rows": rows}
     (WORKDIR / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {WORKDIR / 'results.json'}")
+    from benchmarks import report as html_report
+
+    print(f"wrote {html_report.build(WORKDIR / 'results.json')}")
 
 
 if __name__ == "__main__":

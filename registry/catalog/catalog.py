@@ -102,7 +102,8 @@ class Catalog(CatalogReader):
                     {"artifact_digest": digest, "blob_digest": str(b.digest)} for b in m.blobs()])
                 s.execute(self._insert(ArtifactChunkRow), [
                     {"artifact_digest": digest, "idx": c.index, "start": c.start, "end": c.end,
-                     "blob_digest": str(c.digest), "prefix_key": str(c.prefix)}
+                     "blob_digest": str(c.digest), "prefix_key": str(c.prefix),
+                     "created_at": now}
                     for c in m.chunks])
             s.execute(self._insert(RepositoryArtifactRow).values(
                 repository=push.repository, artifact_digest=digest, created_at=now,

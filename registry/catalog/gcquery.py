@@ -48,8 +48,12 @@ def _chunks(keys: list[str]) -> Iterable[list[str]]:
 def inventory(s: Session) -> list[ArtifactLinks]:
     tagged = set(s.scalars(select(TagRow.artifact_digest).distinct()))
     blobs: dict[str, list[Digest]] = {}
+    parsed: dict[str, Digest] = {}  # artifacts sharing a prefix share its chunks' blobs
     for a, b in s.execute(select(ArtifactBlobRow.artifact_digest, ArtifactBlobRow.blob_digest)):
-        blobs.setdefault(a, []).append(stored_digest(b, "artifact_blobs"))
+        d = parsed.get(b)
+        if d is None:
+            d = parsed[b] = stored_digest(b, "artifact_blobs")
+        blobs.setdefault(a, []).append(d)
     rows = s.execute(select(ArtifactRow.digest, ArtifactRow.created_at, ArtifactRow.manifest)
                      .order_by(ArtifactRow.created_at))
     return [ArtifactLinks(stored_digest(d, "artifacts"), aware(at), d in tagged,

@@ -1,54 +1,47 @@
-"""Prefix-lookup queries over artifact_chunks.prefix_key (an indexed equality column).
+"""Prefix-lookup queries over artifact_chunks.prefix_key.
 
-Every query here is an index seek: no query reads rows in proportion to the catalog size.
+Every query here is an index seek: none reads rows in proportion to the catalog size, nor
+to how many artifacts share a key. The index (prefix_key, created_at, artifact_digest)
+hands out the artifacts holding a key newest first, read backwards from the key's end, so
+a key thousands of artifacts share (a system prompt's) costs what a rare one does.
+
+A lookup runs its queries over one connection and one transaction (`PrefixLookup`): a
+checkout from the pool (with its liveness ping) and a BEGIN per query were most of a
+lookup's time (docs/deploy.md, "Catalog at scale").
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import ARRAY, Connection, String, any_, bindparam, select, text
 
-from kvgraft.catalog.catalog import Catalog
-from kvgraft.catalog.models import (
-    ArtifactChunkRow,
-    ArtifactRow,
-    ModelRow,
-    RepositoryArtifactRow,
-)
+from kvgraft.catalog.models import ArtifactChunkRow, RepositoryArtifactRow
+from kvgraft.catalog.reader import CatalogReader
 from kvgraft.catalog.records import stored_digest
 from kvgraft.digest import Digest
 
+_C = ArtifactChunkRow.__table__.c
+# A skip scan over (model_id, chunk_tokens): each step seeks the next larger size.
+_SIZES = text(
+    "WITH RECURSIVE m(id) AS (SELECT id FROM models WHERE identity = :identity),"
+    " sizes(c) AS ("
+    " SELECT MIN(chunk_tokens) FROM artifacts WHERE model_id = (SELECT id FROM m)"
+    " UNION ALL"
+    " SELECT (SELECT MIN(chunk_tokens) FROM artifacts"
+    "         WHERE model_id = (SELECT id FROM m) AND chunk_tokens > sizes.c)"
+    " FROM sizes WHERE sizes.c IS NOT NULL)"
+    " SELECT c FROM sizes WHERE c IS NOT NULL")
 
-def chunk_sizes(catalog: Catalog, identity_key: Digest) -> list[int]:
-    """The distinct chunk sizes of the model's artifacts, most common first.
-
-    The model row is found by its unique identity; its artifacts through the model_id
-    index. Read once per lookup (a handful of values)."""
-    with catalog._session() as s:
-        model_id = s.scalar(select(ModelRow.id).where(ModelRow.identity == str(identity_key)))
-        if model_id is None:
-            return []
-        # A skip scan: each step seeks the next larger size in (model_id, chunk_tokens).
-        rows = s.execute(text(
-            "WITH RECURSIVE sizes(c) AS ("
-            " SELECT MIN(chunk_tokens) FROM artifacts WHERE model_id = :m"
-            " UNION ALL"
-            " SELECT (SELECT MIN(chunk_tokens) FROM artifacts"
-            "         WHERE model_id = :m AND chunk_tokens > sizes.c)"
-            " FROM sizes WHERE sizes.c IS NOT NULL)"
-            " SELECT c FROM sizes WHERE c IS NOT NULL"), {"m": model_id}).all()
-    return sorted(int(r[0]) for r in rows)
+# Which of the keys (by position, from 1) some artifact holds.
+_HELD = text(
+    "SELECT k.n FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS k(key, n)"
+    " WHERE EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key)")
 
 
 Within = Collection[str] | None  # repositories a match may come from; None: all of them
-
-
-def repositories(catalog: Catalog) -> list[str]:
-    """Every repository holding an artifact (what a caller's scopes are matched against)."""
-    with catalog._session() as s:
-        return list(s.scalars(select(RepositoryArtifactRow.repository).distinct()))
 
 
 def _within(query: Any, within: Within) -> Any:
@@ -56,58 +49,101 @@ def _within(query: Any, within: Within) -> Any:
     lookup, so an artifact outside it neither answers nor hides one inside."""
     if within is None:
         return query
-    return query.where(ArtifactChunkRow.artifact_digest.in_(
+    return query.where(_C.artifact_digest.in_(
         select(RepositoryArtifactRow.artifact_digest)
         .where(RepositoryArtifactRow.repository.in_(sorted(within)))))
 
 
-def has_prefix_key(catalog: Catalog, key: Digest, within: Within = None) -> bool:
-    with catalog._session() as s:
-        return s.scalar(_within(select(ArtifactChunkRow.idx).where(
-            ArtifactChunkRow.prefix_key == str(key)), within).limit(1)) is not None
+def repositories(catalog: CatalogReader) -> list[str]:
+    """Every repository holding an artifact (what a caller's scopes are matched against)."""
+    with catalog._guard(), catalog.engine.connect() as conn:
+        return list(conn.execute(
+            select(RepositoryArtifactRow.repository).distinct()).scalars())
 
 
-def deepest_prefix(catalog: Catalog, keys: Sequence[Digest], within: Within = None) -> int:
-    """How many leading keys of a chain are in the catalog (0..len(keys)).
+class PrefixLookup:
+    """The queries of one prefix lookup, over one connection inside one transaction."""
 
-    A chain is prefix-closed (an artifact holding key c holds keys 0..c-1 too), so a
-    binary search needs log2(len(keys)) single-row index seeks."""
-    lo, hi = 0, len(keys)  # keys[:lo] are present; keys[hi:] are not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if has_prefix_key(catalog, keys[mid - 1], within):
-            lo = mid
+    def __init__(self, conn: Connection, within: Within = None) -> None:
+        self.conn = conn
+        self.within = within
+
+    def chunk_sizes(self, identity_key: Digest) -> list[int]:
+        """The distinct chunk sizes of the model's artifacts, smallest first (one query:
+        the model by its unique identity, its sizes through (model_id, chunk_tokens))."""
+        rows = self.conn.execute(_SIZES, {"identity": str(identity_key)}).all()
+        return sorted(int(r[0]) for r in rows)
+
+    def has_prefix_key(self, key: Digest) -> bool:
+        return self.conn.execute(_within(select(_C.idx).where(
+            _C.prefix_key == str(key)), self.within).limit(1)).first() is not None
+
+    def deepest_prefix(self, keys: Sequence[Digest]) -> int:
+        """How many leading keys of a chain are in the catalog (0..len(keys)).
+
+        PostgreSQL is asked which of the keys it holds in one query (an index seek per
+        key); elsewhere, a chain being prefix-closed (an artifact holding key c holds keys
+        0..c-1 too), a binary search needs log2(len(keys)) single-row index seeks."""
+        if self.conn.dialect.name == "postgresql" and keys and self.within is None:
+            held = set(self.conn.execute(_HELD, {"keys": [str(k) for k in keys]}).scalars())
+            return next((i for i in range(len(keys)) if i + 1 not in held), len(keys))
+        lo, hi = 0, len(keys)  # keys[:lo] are present; keys[hi:] are not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.has_prefix_key(keys[mid - 1]):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def artifacts_with_keys(self, keys: Sequence[Digest],
+                            limit: int) -> list[tuple[Digest, Digest]]:
+        """(artifact digest, the key it holds) of up to `limit` artifacts whose chain holds
+        one of `keys`, newest first: an index seek per key, the newest entries of each."""
+        if not keys:
+            return []
+        texts = [str(k) for k in keys]
+        if len(texts) == 1:
+            where = _C.prefix_key == texts[0]
+        elif self.conn.dialect.name == "postgresql":
+            # One array parameter: an IN list of up to 255 placeholders cost the driver
+            # more to parse, each time, than PostgreSQL took to answer it.
+            where = _C.prefix_key == any_(bindparam("keys", texts, type_=ARRAY(String)))
         else:
-            hi = mid - 1
-    return lo
+            where = _C.prefix_key.in_(texts)
+        rows = self.conn.execute(
+            _within(select(_C.artifact_digest, _C.prefix_key).where(where), self.within)
+            .order_by(_C.created_at.desc(), _C.artifact_digest.desc()).limit(limit)).all()
+        return [(stored_digest(d, "artifact_chunks"), stored_digest(k, "artifact_chunks"))
+                for d, k in rows]
 
 
-def artifacts_with_key(catalog: Catalog, key: Digest, limit: int,
-                       within: Within = None) -> list[tuple[Digest, int]]:
-    """(artifact digest, token count) of up to `limit` artifacts whose chain holds `key`,
-    newest first."""
-    with catalog._session() as s:
-        rows = s.execute(_within(
-            select(ArtifactRow.digest, ArtifactRow.token_count)
-            .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
-            .where(ArtifactChunkRow.prefix_key == str(key)), within)
-            .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
-            .limit(limit)).all()
-    return [(stored_digest(d, "artifacts"), int(n)) for d, n in rows]
+@contextmanager
+def prefix_lookup(catalog: CatalogReader, within: Within = None) -> Iterator[PrefixLookup]:
+    # Each query its own snapshot, no BEGIN and COMMIT: a lookup only proposes candidates
+    # (the match opens each one), so it needs no snapshot across its queries.
+    with catalog._guard(), catalog.engine.connect() as conn:
+        yield PrefixLookup(conn.execution_options(isolation_level="AUTOCOMMIT"), within)
 
 
-def artifacts_with_keys(catalog: Catalog, keys: Sequence[Digest], limit: int,
+def chunk_sizes(catalog: CatalogReader, identity_key: Digest) -> list[int]:
+    with prefix_lookup(catalog) as q:
+        return q.chunk_sizes(identity_key)
+
+
+def has_prefix_key(catalog: CatalogReader, key: Digest, within: Within = None) -> bool:
+    with prefix_lookup(catalog, within) as q:
+        return q.has_prefix_key(key)
+
+
+def deepest_prefix(catalog: CatalogReader, keys: Sequence[Digest],
+                   within: Within = None) -> int:
+    with prefix_lookup(catalog, within) as q:
+        return q.deepest_prefix(keys)
+
+
+def artifacts_with_keys(catalog: CatalogReader, keys: Sequence[Digest], limit: int,
                         within: Within = None) -> list[tuple[Digest, Digest]]:
-    """(artifact digest, the key it holds) of up to `limit` artifacts whose chain holds one
-    of `keys`, newest first: one IN query, an index seek per key."""
-    if not keys:
-        return []
-    with catalog._session() as s:
-        rows = s.execute(_within(
-            select(ArtifactRow.digest, ArtifactChunkRow.prefix_key)
-            .join(ArtifactChunkRow, ArtifactChunkRow.artifact_digest == ArtifactRow.digest)
-            .where(ArtifactChunkRow.prefix_key.in_([str(k) for k in keys])), within)
-            .order_by(ArtifactRow.created_at.desc(), ArtifactRow.digest)
-            .limit(limit)).all()
-    return [(stored_digest(d, "artifacts"), stored_digest(k, "artifact_chunks"))
-            for d, k in rows]
+    with prefix_lookup(catalog, within) as q:
+        return q.artifacts_with_keys(keys, limit)
+

@@ -91,7 +91,14 @@ class ArtifactChunkRow(Base):
     start: Mapped[int] = mapped_column(BigInteger)
     end: Mapped[int] = mapped_column(BigInteger)
     blob_digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"))
-    prefix_key: Mapped[str] = mapped_column(DIGEST, index=True)
+    prefix_key: Mapped[str] = mapped_column(DIGEST)
+    # The artifact's created_at, copied: prefix lookup wants the newest artifacts holding a
+    # key, and a key shared by thousands of artifacts (a system prompt) would otherwise
+    # join and sort them all. With it in the index the newest are its first entries.
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_artifact_chunks_prefix_key_created_at", "prefix_key",
+                            "created_at", "artifact_digest"),)
 
 
 class RepositoryArtifactRow(Base):

@@ -22,6 +22,7 @@ from kvgraft.identity.model import ModelIdentity
 
 if TYPE_CHECKING:
     from kvgraft.catalog import Catalog
+    from kvgraft.catalog.lookup import PrefixLookup
     from kvgraft.remote.http import HttpRemote
 
 
@@ -51,36 +52,44 @@ class CatalogPrefixIndex:
 
     def candidates(self, identity: ModelIdentity, ids: Sequence[int],
                    limit: int) -> Iterator[Candidate]:
-        from kvgraft.catalog.lookup import chunk_sizes
+        from kvgraft.catalog.lookup import prefix_lookup
 
         query = struct.pack(f"<{len(ids)}q", *ids)
-        for c in chunk_sizes(self.catalog, identity.key):
-            shared, found = self._by_size(identity, query, len(ids), c, limit)
-            for digest, known in found.items():
-                yield Candidate(digest, known, c, shared)
+        found: list[Candidate] = []
+        # Every query over one connection, released before the caller opens candidates.
+        with prefix_lookup(self.catalog, self.within) as q:
+            for c in q.chunk_sizes(identity.key):
+                shared, known = self._by_size(q, identity, query, len(ids), c, limit)
+                found += [Candidate(digest, n, c, shared) for digest, n in known.items()]
+        yield from found
 
-    def _by_size(self, identity: ModelIdentity, query: bytes, n: int, c: int,
+    @staticmethod
+    def _by_size(q: PrefixLookup, identity: ModelIdentity, query: bytes, n: int, c: int,
                  limit: int) -> tuple[int, dict[Digest, int]]:
         """(full chunks shared by key, {artifact: tokens it is known to cover}) for chunk
         size `c`. Artifacts holding the last shared full chunk cover at least those chunks
         (tokens compared later may extend it); an artifact whose partial last chunk's key
         is one of the query's tail keys covers exactly up to that key."""
-        from kvgraft.catalog.lookup import artifacts_with_key, artifacts_with_keys, deepest_prefix
         from kvgraft.formats.prefix import prefix_keys, tail_keys
 
         keys = prefix_keys(identity, query, c)
         full = n // c  # the last key covers a partial span unless this divides
-        shared = deepest_prefix(self.catalog, keys[:full], self.within)
+        shared = q.deepest_prefix(keys[:full])
         found: dict[Digest, int] = {}
         if shared:
-            for digest, _ in artifacts_with_key(self.catalog, keys[shared - 1], limit,
-                                                self.within):
-                found[digest] = shared * c
+            holders = q.artifacts_with_keys(keys[shared - 1:shared], limit)
+            found = {digest: shared * c for digest, _ in holders}
+            if len(holders) < limit:
+                # Every artifact a tail key would find holds keys[shared - 1] too (chains
+                # are prefix-closed), so it is among these already, and the match compares
+                # its tokens past the shared chunks: the tail keys' index seeks (up to c-1
+                # of them) are needed only when more artifacts share the prefix.
+                return shared, found
         rest = min(n - shared * c, c - 1)  # a span of c tokens would be a full chunk
         tails = tail_keys(identity, query, keys[shared - 1] if shared else None, shared * c,
                           rest)
         length_of = {k: shared * c + r for r, k in enumerate(tails, start=1)}
-        for digest, key in artifacts_with_keys(self.catalog, tails, limit, self.within):
+        for digest, key in q.artifacts_with_keys(tails, limit):
             found[digest] = max(found.get(digest, 0), length_of[key])
         return shared, found
 
