@@ -60,7 +60,7 @@ def test_restored_state_is_llamas_own(model: Path, registry: Registry) -> None:
     cache = RegistryCache(registry, lm, repository=REPO)
     cache[ids] = own
     cache.close()
-    assert cache.counters.snapshot() == {"published": 1}
+    assert cache.counters.snapshot() == {"queued.publish": 1, "published": 1}
     lm.llm.reset()
     key = ids + lm.tokenize(QUESTION, special=False)
     state = cache[key]
@@ -70,7 +70,7 @@ def test_restored_state_is_llamas_own(model: Path, registry: Registry) -> None:
     again = RegistryCache(registry, lm, repository=REPO)
     again[ids] = own  # the same prefix again: found, not published twice
     again.close()
-    assert again.counters.snapshot() == {"publish.known": 1}
+    assert again.counters.snapshot() == {"queued.publish": 1, "publish.known": 1}
 
 
 def test_short_prompts_are_not_looked_up(model: Path, registry: Registry) -> None:
@@ -95,7 +95,7 @@ def test_prompt_cache_across_processes(model: Path, tmp_path: Path) -> None:
     prompt = DOC + QUESTION
 
     a = node(machine(shared, tmp_path / "a"), model, [prompt])
-    assert a["counters"] == {"lookups": 1, "misses": 1, "published": 1}
+    assert a["counters"] == {"lookups": 1, "misses": 1, "queued.publish": 1, "published": 1}
     computed = a["results"][0]
 
     b = node(machine(shared, tmp_path / "b"), model, [prompt])
