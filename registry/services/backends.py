@@ -142,7 +142,27 @@ class _Cached:
         pass
 
 
-class Direct(_Cached):
+class _Online(_Cached):
+    """What a catalog within reach answers the same way, SQL or served."""
+
+    @property
+    def catalog(self) -> CatalogAPI:
+        raise NotImplementedError
+
+    def resolve(self, ref: Reference) -> Digest:
+        return self.catalog.resolve(ref)
+
+    def stored_manifest(self, digest: Digest) -> bytes:
+        return self.catalog.artifact(digest).manifest
+
+    def policy_catalog(self, what: str) -> CatalogAPI:
+        return self.catalog
+
+    def record(self, event: EventRecord) -> None:
+        self.catalog.add_event(event)
+
+
+class Direct(_Online):
     """The catalog and the store themselves."""
 
     def __init__(self, config: Config) -> None:
@@ -209,18 +229,6 @@ class Direct(_Cached):
     def owner_only(self, what: str, alternative: str) -> None:
         pass
 
-    def resolve(self, ref: Reference) -> Digest:
-        return self.catalog.resolve(ref)
-
-    def stored_manifest(self, digest: Digest) -> bytes:
-        return self.catalog.artifact(digest).manifest
-
-    def policy_catalog(self, what: str) -> CatalogAPI:
-        return self.catalog
-
-    def record(self, event: EventRecord) -> None:
-        self.catalog.add_event(event)
-
     def ensure_blobs(self, manifest: Manifest, reupload: Reupload) -> None:
         from kvgraft.transfer.gc import ensure_blobs
 
@@ -237,7 +245,7 @@ class Direct(_Cached):
                 handle.close()
 
 
-class Served(_Cached):
+class Served(_Online):
     """A `kvgraft serve`: its catalog API, and each repository's blobs through it (the
     token's scopes decide what may be read and written)."""
 
@@ -287,18 +295,6 @@ class Served(_Cached):
 
     def owner_only(self, what: str, alternative: str) -> None:
         raise served_refusal(self.config, what, alternative)
-
-    def resolve(self, ref: Reference) -> Digest:
-        return self.catalog.resolve(ref)
-
-    def stored_manifest(self, digest: Digest) -> bytes:
-        return self.catalog.artifact(digest).manifest
-
-    def policy_catalog(self, what: str) -> CatalogAPI:
-        return self.catalog
-
-    def record(self, event: EventRecord) -> None:
-        self.catalog.add_event(event)
 
     def ensure_blobs(self, manifest: Manifest, reupload: Reupload) -> None:
         pass  # the server checks its own gc history when it commits the push
