@@ -281,17 +281,22 @@ def audit(ctx: click.Context, ref: str, as_json: bool) -> None:
               help="Never delete a blob stored more recently than this (in-flight pushes).")
 @click.option("--untagged-older-than", "untagged",
               help="Also delete untagged artifacts older than this (default: keep all).")
+@click.option("--unused-for", "unused",
+              help="Also delete artifacts nobody restored, pulled or matched for this long, "
+                   "tagged or not, unless a repository pins them (`kvgraft pin`).")
 @click.option("--allow-empty-catalog", is_flag=True,
               help="Delete blobs even when the catalog holds no artifact at all (otherwise "
                    "refused: that is usually a lost or wrong catalog).")
 @json_option
 @click.pass_context
 def gc(ctx: click.Context, dry_run: bool, grace: str, untagged: str | None,
-       allow_empty_catalog: bool, as_json: bool) -> None:
-    """Delete unreferenced blobs (and, with --untagged-older-than, old untagged artifacts)."""
+       unused: str | None, allow_empty_catalog: bool, as_json: bool) -> None:
+    """Delete unreferenced blobs (and, with --untagged-older-than, old untagged artifacts;
+    with --unused-for, unpinned artifacts nobody used for that long)."""
     reg = current_registry(ctx)
     plan = reg.gc_plan(grace=parse_duration(grace),
-                       untagged_older_than=parse_duration(untagged) if untagged else None)
+                       untagged_older_than=parse_duration(untagged) if untagged else None,
+                       unused_for=parse_duration(unused) if unused else None)
     summary = (f"{len(plan.artifacts)} artifact(s), {len(plan.blobs)} blob(s), "
                f"{human_bytes(plan.bytes_freed)}")
     if dry_run:

@@ -85,3 +85,22 @@ def parse_duration(text: str) -> float:
     if seconds > MAX_DURATION:
         raise UsageError(f"duration {text!r} is longer than 100 years", hint="use e.g. 7d")
     return seconds
+
+
+_SIZE = re.compile(r"([0-9]{1,19}(?:\.[0-9]{1,6})?) ?([KMGTP]i?B|[KMGTP]|B)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+               "tb": 1000**4, "tib": 1024**4, "p": 1000**5, "pb": 1000**5, "pib": 1024**5}
+MAX_SIZE = 2**63 - 1
+
+
+def parse_size(text: str) -> int:
+    """'200GiB', '1.5TB', '512MiB', '1000' → bytes (KiB/MiB/GiB: powers of 1024; KB/MB/GB
+    and bare K/M/G: of 1000)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise UsageError(f"not a size: {text!r}", hint="use e.g. 200GiB, 1.5TB, 512MiB")
+    n = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+    if n > MAX_SIZE:
+        raise UsageError(f"size {text!r} is too large", hint="at most 8 EiB")
+    return n

@@ -41,6 +41,7 @@ LAZY_COMMANDS = {
     "kvgraft.cli.manage": ("remote", "copy", "cache"),
     "kvgraft.cli.graft": ("fingerprint", "capture", "check", "graft", "verify-graft", "match"),
     "kvgraft.cli.audit": ("log", "provenance", "key", "trust", "sign", "audit", "gc"),
+    "kvgraft.cli.lifecycle": ("pin", "unpin", "quota"),
     "kvgraft.cli.server": ("serve", "token"),
     "kvgraft.cli.ops": ("stats", "doctor"),
 }
@@ -132,12 +133,16 @@ def push(ctx: click.Context, file: Path, ref: str, labels: tuple[str, ...], chun
                           progress=advance)
     for warning in result.warnings:
         err(f"warning: {warning} (the push itself succeeded)")
+    if result.evicted:
+        err(f"{reference.name} is at its quota: evicted {len(result.evicted)} least recently "
+            "used artifact(s) there (`kvgraft log --action evict` lists them)")
     if as_json:
         emit_json({"digest": str(result.digest), "reference": str(result.reference),
                    "created": result.created, "blobs_stored": result.blobs_stored,
                    "bytes_stored": result.bytes_stored, "size": result.size,
                    "stored_size": result.stored_size, "token_count": result.token_count,
-                   "previous": str(result.previous) if result.previous else None})
+                   "previous": str(result.previous) if result.previous else None,
+                   "evicted": [str(d) for d in result.evicted]})
         return
     err(f"pushed {reference}: {result.token_count} tokens, {human_bytes(result.size)} "
         f"({human_bytes(result.stored_size)} stored, {human_bytes(result.bytes_stored)} new)")
@@ -235,6 +240,8 @@ def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
         ("parents", ", ".join(str(p) for p in m.parents) or "-"),
         ("labels", ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())) or "-"),
         ("created", r.created_at.isoformat()),
+        ("last used", r.last_used.isoformat() if r.last_used else "never since pushed"),
+        ("pinned in", ", ".join(r.pinned) or "-"),
     ]
     for key, value in rows:
         echo(f"{key:<13} {value}")

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from kvgraft.catalog import EventRecord, TagRecord
     from kvgraft.catalog.api import CatalogAPI, TagListing
     from kvgraft.catalog.records import AttestationRecord
-    from kvgraft.catalog.usage import UsageReport
+    from kvgraft.catalog.usage import Quota, UsageReport
     from kvgraft.formats.manifest import Manifest
     from kvgraft.provenance import Keyring, Statement
     from kvgraft.provenance.audit import AuditReport
@@ -208,9 +208,23 @@ class Registry:
     def audit(self, ref: Reference | str, *, workers: int | None = None) -> AuditReport:
         return self.trail.audit(ref, workers=workers)
 
+    def pin(self, ref: Reference | str) -> Digest:
+        return self.lifecycle.pin(ref, True)
+
+    def unpin(self, ref: Reference | str) -> Digest:
+        return self.lifecycle.pin(ref, False)
+
+    def set_quota(self, repository: str, max_bytes: int | None) -> int | None:
+        return self.lifecycle.set_quota(repository, max_bytes)
+
+    def quotas(self, pattern: str | None = None) -> tuple[Quota, ...]:
+        return self.lifecycle.quotas(pattern)
+
     def gc_plan(self, *, grace: float | None = None,
-                untagged_older_than: float | None = None) -> GcPlan:
-        return self.lifecycle.gc_plan(grace=grace, untagged_older_than=untagged_older_than)
+                untagged_older_than: float | None = None,
+                unused_for: float | None = None) -> GcPlan:
+        return self.lifecycle.gc_plan(grace=grace, untagged_older_than=untagged_older_than,
+                                      unused_for=unused_for)
 
     def gc(self, gc_plan: GcPlan, *, allow_empty_catalog: bool = False) -> GcResult:
         return self.lifecycle.gc(gc_plan, allow_empty_catalog=allow_empty_catalog)

@@ -74,6 +74,13 @@ class Conflict(RegistryError):
     oci_code = "DENIED"
 
 
+class QuotaExceeded(Conflict):
+    """A push or tag that would take a repository past its byte quota, even after
+    evicting every artifact there that may go: nothing of it was committed."""
+
+    oci_code = "QUOTA_EXCEEDED"
+
+
 class Unavailable(RegistryError, ConnectionError):
     """A blob store or catalog that cannot be reached or used."""
 

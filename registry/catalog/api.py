@@ -22,7 +22,7 @@ from kvgraft.reference import Reference
 
 if TYPE_CHECKING:  # the chain check loads SQLAlchemy: `kvgraft ls` need not
     from kvgraft.catalog.events import ChainReport
-    from kvgraft.catalog.usage import UsageReport
+    from kvgraft.catalog.usage import Quota, UsageReport
 
 
 class TagListing(Protocol):
@@ -66,6 +66,8 @@ class CatalogAPI(TagListing, Protocol):
 
     def usage(self, pattern: str | None = None) -> UsageReport: ...
 
+    def quotas(self) -> list[Quota]: ...
+
     # --- writes ------------------------------------------------------------------------
 
     def record_push(self, push: PushRecord) -> PushOutcome: ...
@@ -81,3 +83,9 @@ class CatalogAPI(TagListing, Protocol):
 
     def add_attestation(self, att: AttestationRecord,
                         event: EventRecord | None = None) -> int: ...
+
+    def pin(self, repository: str, digest: Digest, pinned: bool,
+            event: EventRecord) -> None: ...
+
+    def set_quota(self, repository: str, max_bytes: int | None,
+                  event: EventRecord) -> int | None: ...

@@ -14,7 +14,7 @@ from sqlalchemy import Select, delete, func, select
 from sqlalchemy.orm import Session
 
 from kvgraft.catalog import events as chain
-from kvgraft.catalog import gcquery, lineage, usagequery
+from kvgraft.catalog import gcquery, lifecycle, lineage, usagequery
 from kvgraft.catalog.models import (
     ArtifactBlobRow,
     ArtifactChunkRow,
@@ -25,6 +25,7 @@ from kvgraft.catalog.models import (
     LabelRow,
     ModelRow,
     RepositoryArtifactRow,
+    RepositoryQuotaRow,
     TagRow,
 )
 from kvgraft.catalog.reader import CatalogReader, tag_records
@@ -39,9 +40,9 @@ from kvgraft.catalog.records import (
     aware,
     stored_digest,
 )
-from kvgraft.catalog.usage import UsageReport
+from kvgraft.catalog.usage import Quota, UsageReport
 from kvgraft.digest import Digest, canonical_json
-from kvgraft.errors import NotFound
+from kvgraft.errors import NotFound, QuotaExceeded
 from kvgraft.reference import Reference
 
 
@@ -75,7 +76,30 @@ class Catalog(CatalogReader):
     # --- writes ------------------------------------------------------------------------
 
     def record_push(self, push: PushRecord) -> PushOutcome:
-        """Commit one push: blobs, model, artifact, chunks, repository, labels, tag, event."""
+        """Commit one push: blobs, model, artifact, chunks, repository, labels, tag, event;
+        past the repository's quota, evictions first or nothing (kvgraft.catalog.lifecycle)."""
+        try:
+            return self._record_push(push)
+        except QuotaExceeded as e:
+            self._refused(push.event, e)
+            raise
+
+    def _refused(self, event: EventRecord, e: QuotaExceeded) -> None:
+        # The change rolled back; its refusal is on record, where `kvgraft log` counts it.
+        self.add_event(dataclasses.replace(event, outcome="refused", detail={
+            **event.detail, "reason": "quota", "error": e.message}))
+
+    def _evict(self, s: Session, repository: str, digest: str, event: EventRecord,
+               now: datetime) -> tuple[Digest, ...]:
+        evicted = lifecycle.enforce_quota(s, repository, digest)
+        if evicted:
+            self._add_event(s, EventRecord(
+                action="evict", actor=event.actor, host=event.host, repository=repository,
+                detail={"reason": "quota", "for": digest,
+                        "artifacts": [str(d) for d in evicted]}), now)
+        return tuple(evicted)
+
+    def _record_push(self, push: PushRecord) -> PushOutcome:
         m = push.manifest
         digest = str(m.digest)
         now = _now()
@@ -117,8 +141,9 @@ class Catalog(CatalogReader):
             previous = None
             if push.tag is not None:
                 previous = self._move_tag(s, push.repository, push.tag, digest, now)
+            evicted = self._evict(s, push.repository, digest, push.event, now)
             self._add_event(s, push.event, now)
-        return PushOutcome(created, previous)
+        return PushOutcome(created, previous, evicted)
 
     def _move_tag(self, s: Session, repository: str, tag: str, digest: str,
                   now: datetime) -> Digest | None:
@@ -135,14 +160,46 @@ class Catalog(CatalogReader):
     def set_tag(self, repository: str, tag: str, digest: Digest,
                 event: EventRecord) -> Digest | None:
         now = _now()
-        with self._session(write=True) as s:
-            self._require_artifact(s, digest, lock=True)
-            s.execute(self._insert(RepositoryArtifactRow).values(
-                repository=repository, artifact_digest=str(digest), created_at=now,
-            ).on_conflict_do_nothing())
-            previous = self._move_tag(s, repository, tag, str(digest), now)
-            self._add_event(s, event, now)
+        try:
+            with self._session(write=True) as s:
+                self._require_artifact(s, digest, lock=True)
+                s.execute(self._insert(RepositoryArtifactRow).values(
+                    repository=repository, artifact_digest=str(digest), created_at=now,
+                ).on_conflict_do_nothing())
+                previous = self._move_tag(s, repository, tag, str(digest), now)
+                self._evict(s, repository, str(digest), event, now)
+                self._add_event(s, event, now)
+        except QuotaExceeded as e:
+            self._refused(event, e)
+            raise
         return previous
+
+    def pin(self, repository: str, digest: Digest, pinned: bool,
+            event: EventRecord) -> None:
+        """Pin (or unpin) `digest` in `repository`: exempt from `gc --unused-for` and from
+        quota eviction there."""
+        now = _now()
+        with self._session(write=True) as s:
+            lifecycle.set_pin(s, repository, digest, pinned)
+            self._add_event(s, event, now)
+
+    def set_quota(self, repository: str, max_bytes: int | None,
+                  event: EventRecord) -> int | None:
+        """Set (None: remove) `repository`'s byte quota; returns the previous one. It binds
+        the next push or tag there: what the repository holds already stays."""
+        now = _now()
+        with self._session(write=True) as s:
+            old = lifecycle.set_quota(s, self._insert(RepositoryQuotaRow), repository,
+                                      max_bytes, now)
+            self._add_event(s, dataclasses.replace(event, detail={
+                **event.detail, "max_bytes": max_bytes, "previous": old}), now)
+        return old
+
+    def quotas(self) -> list[Quota]:
+        """Each repository with a quota, and what it holds against it."""
+        with self._session() as s:
+            return [Quota(r, q, lifecycle.held_bytes(s, r))
+                    for r, q in lifecycle.quotas(s).items()]
 
     def remove_tag(self, repository: str, tag: str, event: EventRecord) -> Digest:
         now = _now()
@@ -192,6 +249,9 @@ class Catalog(CatalogReader):
             self._add_event(s, event, _now())
 
     def _add_event(self, s: Session, e: EventRecord, now: datetime) -> None:
+        # A use's event carries the artifact's last use with it. Written before the chain's
+        # lock is taken: every writer locks tables first, that lock last (no deadlock).
+        lifecycle.note_use(s, e, now)
         # Hash-chained and serialised with other writers: see kvgraft.catalog.events.
         chain.append_event(s, e, now)
 
@@ -239,7 +299,9 @@ class Catalog(CatalogReader):
                 stored_size=int(stored or 0), token_count=row.token_count,
                 model_name=model_name or "", created_at=aware(row.created_at),
                 repositories=tuple(repos), tags=tags, labels=labels,
-                repository_labels=by_repo)
+                repository_labels=by_repo,
+                last_used=aware(row.last_used_at) if row.last_used_at else None,
+                pinned=lifecycle.pinned_in(s, digest))
 
     def _require_artifact(self, s: Session, digest: Digest, *,
                           lock: bool = False) -> ArtifactRow:
@@ -328,14 +390,16 @@ class Catalog(CatalogReader):
         with self._session() as s:
             return gcquery.inventory(s)
 
-    def delete_artifacts(self, digests: Iterable[Digest], *, created_before: datetime,
-                         event: EventRecord) -> list[Digest]:
-        """Delete the untagged artifacts among `digests` created before `created_before`
-        (re-checked under the gc lock), with their attestations; logs `event`."""
+    def delete_artifacts(self, digests: Iterable[Digest], *, created_before: datetime | None,
+                         event: EventRecord, unused_before: datetime | None = None,
+                         ) -> list[Digest]:
+        """Delete the artifacts among `digests` that are untagged and created before
+        `created_before`, or unused since `unused_before`, and pinned nowhere (re-checked
+        under the gc lock), with their attestations and tags; logs `event`."""
         now = _now()
         with self._session(write=True) as s:
             gcquery.lock_for_gc(s)
-            gone = gcquery.delete_artifacts(s, digests, created_before)
+            gone = gcquery.delete_artifacts(s, digests, created_before, unused_before)
             gcquery.prune_deletions(s, now)
             detail = {**event.detail, "artifacts_deleted": [str(d) for d in gone]}
             self._add_event(s, dataclasses.replace(event, detail=detail), now)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import delete, exists, insert, select, text
+from sqlalchemy import and_, delete, exists, func, insert, or_, select, text
 from sqlalchemy.orm import Session
 
 from kvgraft.catalog.lineage import stored_parents
@@ -19,6 +19,7 @@ from kvgraft.catalog.models import (
     BlobDeletionRow,
     BlobRow,
     OciBlobLinkRow,
+    RepositoryArtifactRow,
     TagRow,
 )
 from kvgraft.catalog.records import BlobRecord, aware, stored_digest
@@ -38,6 +39,13 @@ class ArtifactLinks:
     tagged: bool
     parents: tuple[Digest, ...] | None  # None: the stored manifest cannot say (corrupt)
     blobs: tuple[Digest, ...]
+    last_used: datetime | None = None  # None: never since it was pushed
+    pinned: bool = False  # in some repository
+
+    @property
+    def used_at(self) -> datetime:
+        """When it was last used, its push counting as a use."""
+        return self.last_used or self.created_at
 
 
 def _chunks(keys: list[str]) -> Iterable[list[str]]:
@@ -54,11 +62,14 @@ def inventory(s: Session) -> list[ArtifactLinks]:
         if d is None:
             d = parsed[b] = stored_digest(b, "artifact_blobs")
         blobs.setdefault(a, []).append(d)
-    rows = s.execute(select(ArtifactRow.digest, ArtifactRow.created_at, ArtifactRow.manifest)
-                     .order_by(ArtifactRow.created_at))
+    pinned = set(s.scalars(select(RepositoryArtifactRow.artifact_digest).distinct()
+                           .where(RepositoryArtifactRow.pinned)))
+    rows = s.execute(select(ArtifactRow.digest, ArtifactRow.created_at, ArtifactRow.manifest,
+                            ArtifactRow.last_used_at).order_by(ArtifactRow.created_at))
     return [ArtifactLinks(stored_digest(d, "artifacts"), aware(at), d in tagged,
-                          stored_parents(d, raw), tuple(blobs.get(d, ())))
-            for d, at, raw in rows]
+                          stored_parents(d, raw), tuple(blobs.get(d, ())),
+                          aware(used) if used else None, d in pinned)
+            for d, at, raw, used in rows]
 
 
 def lock_for_gc(s: Session) -> None:
@@ -73,21 +84,42 @@ def lock_for_gc(s: Session) -> None:
                        "IN SHARE ROW EXCLUSIVE MODE"))
 
 
-def delete_artifacts(s: Session, digests: Iterable[Digest],
-                     created_before: datetime) -> list[Digest]:
+def delete_artifacts(s: Session, digests: Iterable[Digest], created_before: datetime | None,
+                     unused_before: datetime | None = None) -> list[Digest]:
+    """Delete, of `digests`, those pinned nowhere that are untagged and created before
+    `created_before`, or unused since `unused_before` (their tags go with them)."""
+    a = ArtifactRow
+    untagged = ~exists().where(TagRow.artifact_digest == a.digest)
+    rules = []
+    if created_before is not None:
+        rules.append(and_(a.created_at < created_before, untagged))
+    if unused_before is not None:
+        rules.append(func.coalesce(a.last_used_at, a.created_at) < unused_before)
+    if not rules:
+        return []
     gone: list[Digest] = []
     for keys in _chunks([str(d) for d in digests]):
-        locked = list(s.scalars(select(ArtifactRow.digest).where(
-            ArtifactRow.digest.in_(keys), ArtifactRow.created_at < created_before,
-            ~exists().where(TagRow.artifact_digest == ArtifactRow.digest)).with_for_update()))
-        # A tag that committed while we waited for those row locks saves its artifact;
-        # a fresh statement sees it (READ COMMITTED).
-        tagged = set(s.scalars(select(TagRow.artifact_digest).where(
-            TagRow.artifact_digest.in_(locked)))) if locked else set()
-        doomed = [d for d in locked if d not in tagged]
+        locked = list(s.scalars(select(a.digest).where(
+            a.digest.in_(keys), or_(*rules)).with_for_update()))
+        # A tag, pin or use that committed while we waited for those row locks saves its
+        # artifact; a fresh statement sees it (READ COMMITTED).
+        saved: set[str] = set()
+        if locked:
+            saved |= set(s.scalars(select(RepositoryArtifactRow.artifact_digest).where(
+                RepositoryArtifactRow.artifact_digest.in_(locked),
+                RepositoryArtifactRow.pinned)))
+            expired = set() if unused_before is None else set(s.scalars(
+                select(a.digest).where(a.digest.in_(locked), func.coalesce(
+                    a.last_used_at, a.created_at) < unused_before)))
+            saved |= set(s.scalars(select(TagRow.artifact_digest).where(
+                TagRow.artifact_digest.in_([d for d in locked if d not in expired]))))
+            if created_before is None:
+                saved |= {d for d in locked if d not in expired}
+        doomed = [d for d in locked if d not in saved]
         if not doomed:
             continue
         s.execute(delete(AttestationRow).where(AttestationRow.artifact_digest.in_(doomed)))
+        s.execute(delete(TagRow).where(TagRow.artifact_digest.in_(doomed)))
         # Chunks, blob links, labels and repository links go with it (ON DELETE CASCADE).
         s.execute(delete(ArtifactRow).where(ArtifactRow.digest.in_(doomed)))
         gone += [stored_digest(d, "artifacts") for d in doomed]

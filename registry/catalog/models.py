@@ -6,6 +6,7 @@ from datetime import datetime
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
     ForeignKey,
     Index,
@@ -64,6 +65,9 @@ class ArtifactRow(Base):
     file_digest: Mapped[str] = mapped_column(DIGEST)
     file_size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # Written with a use's event, at most once a minute (kvgraft.catalog.lifecycle).
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True),
+                                                          nullable=True)
 
     # Prefix lookup asks which chunk sizes a model's artifacts use: with this index that is
     # one seek per distinct size instead of a scan of the model's artifacts.
@@ -110,6 +114,17 @@ class RepositoryArtifactRow(Base):
         ForeignKey("artifacts.digest", ondelete="CASCADE"), primary_key=True, index=True
     )
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # Exempt from `gc --unused-for` and from quota eviction (kvgraft.catalog.lifecycle).
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+
+
+class RepositoryQuotaRow(Base):
+    """The most bytes of stored blobs a repository's artifacts may reference."""
+
+    __tablename__ = "repository_quotas"
+    repository: Mapped[str] = mapped_column(NAME, primary_key=True)
+    max_bytes: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class TagRow(Base):

@@ -70,6 +70,8 @@ class PushRecord:
 class PushOutcome:
     created: bool  # False when the artifact was already in the catalog
     previous: Digest | None  # what the tag pointed at before, if anything
+    # Artifacts the repository's quota evicted to make room (kvgraft.catalog.lifecycle).
+    evicted: tuple[Digest, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +117,5 @@ class ArtifactRecord:
     labels: Mapping[str, str]  # in the repository it was asked about (Catalog.artifact)
     # Each repository's labels: tenants pushing the same bytes each keep their own.
     repository_labels: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    last_used: datetime | None = None  # None: never used since it was pushed
+    pinned: tuple[str, ...] = ()  # the repositories that pin it

@@ -16,7 +16,7 @@ from kvgraft.resources import migrations_dir
 if TYPE_CHECKING:
     from alembic.config import Config
 
-HEAD = "0006"
+HEAD = "0007"
 VERSION_TABLE = "alembic_version"
 
 

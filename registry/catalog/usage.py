@@ -67,3 +67,20 @@ class UsageReport:
     def from_json(cls, raw: Mapping[str, Any]) -> UsageReport:
         return cls(tuple(RepositoryUsage.from_json(r) for r in raw["repositories"]),
                    RepositoryUsage.from_json(raw["total"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """A repository's byte quota and what it holds against it (kvgraft.catalog.lifecycle)."""
+
+    repository: str
+    max_bytes: int
+    held_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"repository": self.repository, "max_bytes": self.max_bytes,
+                "held_bytes": self.held_bytes}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Quota:
+        return cls(str(raw["repository"]), int(raw["max_bytes"]), int(raw["held_bytes"]))

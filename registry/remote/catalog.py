@@ -23,7 +23,7 @@ from kvgraft.catalog.records import (
     PushRecord,
     TagRecord,
 )
-from kvgraft.catalog.usage import UsageReport
+from kvgraft.catalog.usage import Quota, UsageReport
 from kvgraft.digest import Digest
 from kvgraft.errors import NotFound
 from kvgraft.reference import Reference
@@ -156,7 +156,9 @@ class HttpCatalog:
         return self._post("push", body, f"push to {push.repository}",
                           lambda a: PushOutcome(bool(a["created"]),
                                                 Digest.parse(a["previous"])
-                                                if a["previous"] else None))
+                                                if a["previous"] else None,
+                                                tuple(Digest.parse(str(d))
+                                                      for d in a.get("evicted") or ())))
 
     def refresh_blobs(self, blobs: Iterable[BlobRecord]) -> None:
         # Blob rows are the server's: it refreshes them itself when it stores a blob.
@@ -173,6 +175,23 @@ class HttpCatalog:
         body = {"repository": repository, "tag": tag, "event": _about(event)}
         return self._post("untag", body, f"untag {repository}:{tag}",
                           lambda a: Digest.parse(a["digest"]))
+
+    def pin(self, repository: str, digest: Digest, pinned: bool,
+            event: EventRecord) -> None:
+        body = {"repository": repository, "digest": str(digest), "pinned": pinned,
+                "tag": event.tag, "event": _about(event)}
+        self._post("pin", body, f"{'pin' if pinned else 'unpin'} {repository}@{digest}",
+                   lambda a: None)
+
+    def set_quota(self, repository: str, max_bytes: int | None,
+                  event: EventRecord) -> int | None:
+        body = {"repository": repository, "max_bytes": max_bytes, "event": _about(event)}
+        return self._post("quotas", body, f"set the quota of {repository}",
+                          lambda a: None if a["previous"] is None else int(a["previous"]))
+
+    def quotas(self) -> list[Quota]:
+        return self._get("quotas", "quotas",
+                         lambda a: [Quota.from_json(q) for q in a["quotas"]])
 
     def add_event(self, event: EventRecord) -> None:
         self._post("events", _about(event), f"record a {event.action} event", lambda a: None)

@@ -35,6 +35,7 @@ from kvgraft.errors import (
     Conflict,
     IntegrityError,
     NotFound,
+    QuotaExceeded,
     RegistryError,
     Unavailable,
     UsageError,
@@ -109,6 +110,8 @@ def answer_error(status: int, reason: str, body: bytes, url: str, base: str, pee
         return NotFound(f"{what}: {text}")
     if code in _INTEGRITY_CODES:
         return IntegrityError(f"{what}: {text}")
+    if code == QuotaExceeded.oci_code:
+        return QuotaExceeded(f"{what}: {text}")
     if status == 409:
         return Conflict(f"{what}: {text}")
     if status < 500:

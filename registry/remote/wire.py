@@ -43,7 +43,9 @@ def artifact_json(r: ArtifactRecord) -> dict[str, Any]:
             "model_name": r.model_name, "created_at": r.created_at.isoformat(),
             "repositories": list(r.repositories), "tags": [tag_json(t) for t in r.tags],
             "labels": dict(r.labels),
-            "repository_labels": {k: dict(v) for k, v in r.repository_labels.items()}}
+            "repository_labels": {k: dict(v) for k, v in r.repository_labels.items()},
+            "last_used": r.last_used.isoformat() if r.last_used else None,
+            "pinned": list(r.pinned)}
 
 
 def artifact_record(d: Mapping[str, Any]) -> ArtifactRecord:
@@ -52,7 +54,9 @@ def artifact_record(d: Mapping[str, Any]) -> ArtifactRecord:
         int(d["stored_size"]), int(d["token_count"]), str(d["model_name"]),
         datetime.fromisoformat(d["created_at"]), tuple(d["repositories"]),
         tuple(tag_record(t) for t in d["tags"]), dict(d["labels"]),
-        {str(k): dict(v) for k, v in (d.get("repository_labels") or {}).items()})
+        {str(k): dict(v) for k, v in (d.get("repository_labels") or {}).items()},
+        datetime.fromisoformat(d["last_used"]) if d.get("last_used") else None,
+        tuple(str(r) for r in d.get("pinned") or ()))
 
 
 def blob_json(b: BlobRecord) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 Registry calls (kvgraft.remote.catalog) and blob uploads (kvgraft.remote.http.HttpStore).
 
 Every request is authorised per repository and action: pull to read, push to upload,
-commit and tag, delete to untag, admin for the whole event log. An artifact the token may
+commit and tag, delete to untag, admin over a repository to pin there, admin over
+every repository for the whole event log and for quotas. An artifact the token may
 not pull in any repository holding it does not exist for it (404, not 403). Events are
 written here, under the token's name and the caller's address, whatever the client says;
 blob rows are derived from the store, never taken from the client; an upload becomes
@@ -29,6 +30,7 @@ from kvgraft.server.catalogread import (
 from kvgraft.server.catalogwrite import add_attestation, add_event, push, tag, untag, upload
 from kvgraft.server.endpoint import endpoint_of
 from kvgraft.server.kvapi import PREFIX
+from kvgraft.server.lifecycleapi import pin, quotas, set_quota
 
 
 def routes() -> list[Route]:
@@ -49,4 +51,7 @@ def routes() -> list[Route]:
         Route(f"{p}/push", endpoint_of(push, body="json"), methods=["POST"]),
         Route(f"{p}/tag", endpoint_of(tag, body="json"), methods=["POST"]),
         Route(f"{p}/untag", endpoint_of(untag, body="json"), methods=["POST"]),
+        Route(f"{p}/pin", endpoint_of(pin, body="json"), methods=["POST"]),
+        Route(f"{p}/quotas", endpoint_of(quotas), methods=["GET"]),
+        Route(f"{p}/quotas", endpoint_of(set_quota, body="json"), methods=["POST"]),
     ]

@@ -47,6 +47,9 @@ def record(request: Request, ctx: Context, _: Any) -> dict[str, Any]:
     # Labels of the repositories the caller reads, never another tenant's.
     mine = {k: dict(v) for k, v in r.repository_labels.items() if k in visible}
     out["repository_labels"] = mine
+    out["pinned"] = [p for p in r.pinned if p in visible]
+    if not is_admin(principal_of(request, ctx)):  # another tenant's use of the same bytes
+        out["last_used"] = None
     out["labels"] = mine.get(repository, {}) if repository else {
         k: v for repo in sorted(mine, reverse=True) for k, v in mine[repo].items()}
     return {"artifact": out}

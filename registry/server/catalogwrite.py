@@ -249,7 +249,8 @@ def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     # `created` as this repository sees it: whether another tenant pushed the same
     # content first is not this caller's to learn.
     return {"digest": str(manifest.digest), "created": new_here,
-            "previous": str(outcome.previous) if outcome.previous else None}
+            "previous": str(outcome.previous) if outcome.previous else None,
+            "evicted": [str(d) for d in outcome.evicted]}
 
 
 def _in_repository(ctx: Context, repository: str, digest: Digest) -> bool:

@@ -32,7 +32,7 @@ MAX_SHORT = 255  # media types, predicate types, key ids
 # ("copy" can be: the source side of a copy logs one about an artifact already there, and
 # only an artifact's first push or copy is its origin.)
 RESERVED = frozenset({"push", "tag", "untag", "sign", "attest", "gc", "repair",
-                      "token-create", "token-revoke"})
+                      "token-create", "token-revoke", "pin", "unpin", "quota", "evict"})
 
 Handler = Callable[[Request, Context, Any], Any]
 

@@ -32,6 +32,8 @@ class Inspection:
             "repositories": list(r.repositories),
             "tags": [f"{t.repository}:{t.tag}" for t in r.tags],
             "labels": dict(r.labels), "chunks": [dict(c) for c in self.chunks],
+            "last_used": r.last_used.isoformat() if r.last_used else None,
+            "pinned": list(r.pinned),
             "manifest": m.to_json(),
         }
 

@@ -40,6 +40,7 @@ class PushResult:
     token_count: int
     previous: Digest | None
     warnings: tuple[str, ...] = ()  # what failed after the commit (the push stands)
+    evicted: tuple[Digest, ...] = ()  # what the repository's quota evicted to make room
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +156,7 @@ class Transfers:
         warnings = best_effort(f"caching {ref}", remember)
         return PushResult(m.digest, ref, outcome.created, upload.stored, upload.stored_bytes,
                           m.size, sum(b.stored_size for b in upload.blobs), m.token_count,
-                          outcome.previous, warnings)
+                          outcome.previous, warnings, outcome.evicted)
 
     def open(self, ref: Reference | Digest | str, *, require_signed_by: Sequence[str] = (),
              require_verified: bool = False, model: ModelIdentity | None = None,

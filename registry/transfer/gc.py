@@ -1,7 +1,10 @@
 """Garbage collection: plan, then execute; safe while other machines push.
 
-What is kept: every tagged artifact; every untagged artifact younger than the retention
-(`untagged_older_than`; without one no artifact is deleted); every ancestor (manifest
+What is kept: every artifact a repository pins; every tagged artifact, unless it has not
+been used for `unused_for` (a use: a restore, pull or match; its push counts as one;
+kvgraft.catalog.lifecycle), when that is given: tags do not protect what nobody uses, pins
+do; every untagged artifact younger than the retention (`untagged_older_than`) and not
+unused for `unused_for` (without either, no artifact is deleted); every ancestor (manifest
 parents, recursively) of a kept artifact, so lineage stays auditable; every blob a kept
 artifact references; every blob whose stored object is younger than the grace period.
 gc fails closed: when an artifact's manifest in the catalog cannot be read (or no longer
@@ -37,7 +40,10 @@ Fresh uploads of an in-flight push are unreferenced until it commits: the grace 
 keeps them from being planned at all, and rule 3 repairs the push anyway if a gc with a
 tiny grace removed them. A push slower than 30 days (the deletion records kept) is not
 protected. Artifact deletion re-checks "untagged and past the retention" under the same
-lock, so a push or tag that lands first saves its artifact.
+lock, so a push or tag that lands first saves its artifact; "unused" is re-checked there
+too, so a use recorded after the plan (a restore of the graft gc is about to collect)
+saves it. A restore already reading it when it goes fails its verified read of a missing
+chunk and computes the prefill instead: never wrong KV.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from typing import Any
 from kvgraft.blobstore.base import BlobInfo, BlobStore
 from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.catalog import BlobRecord, Catalog, EventRecord
+from kvgraft.catalog.gcquery import ArtifactLinks
 from kvgraft.catalog.oci import OciTables
 from kvgraft.digest import Digest
 from kvgraft.errors import Conflict, IntegrityError, NotFound, RegistryError, UsageError
@@ -69,6 +76,7 @@ class GcPlan:
     now: datetime
     grace: float
     untagged_older_than: float | None
+    unused_for: float | None
     artifacts: tuple[Digest, ...]  # to delete
     blobs: tuple[BlobInfo, ...]  # to delete
     kept_artifacts: int
@@ -82,6 +90,7 @@ class GcPlan:
     def to_json(self) -> dict[str, Any]:
         return {"grace_seconds": self.grace,
                 "untagged_older_than_seconds": self.untagged_older_than,
+                "unused_for_seconds": self.unused_for,
                 "artifacts": [str(d) for d in self.artifacts],
                 "blobs": [str(b.digest) for b in self.blobs],
                 "bytes_freed": self.bytes_freed, "kept_artifacts": self.kept_artifacts,
@@ -104,17 +113,25 @@ class GcResult:
 
 
 def plan(catalog: Catalog, store: BlobStore, *, grace: float = DEFAULT_GRACE,
-         untagged_older_than: float | None = None, now: datetime | None = None) -> GcPlan:
-    if grace < 0 or (untagged_older_than is not None and untagged_older_than < 0):
+         untagged_older_than: float | None = None, unused_for: float | None = None,
+         now: datetime | None = None) -> GcPlan:
+    if any(d is not None and d < 0 for d in (grace, untagged_older_than, unused_for)):
         raise UsageError("gc durations must not be negative")
     now = now or datetime.now(UTC)
     arts = catalog.gc_inventory()
     by_digest = {a.digest: a for a in arts}
-    if untagged_older_than is None:
-        roots = set(by_digest)
-    else:
-        cutoff = now - timedelta(seconds=untagged_older_than)
-        roots = {a.digest for a in arts if a.tagged or a.created_at >= cutoff}
+    cutoff = None if untagged_older_than is None else now - timedelta(
+        seconds=untagged_older_than)
+    unused = None if unused_for is None else now - timedelta(seconds=unused_for)
+
+    def root(a: ArtifactLinks) -> bool:
+        if a.pinned:
+            return True
+        if unused is not None and a.used_at < unused:
+            return False
+        return a.tagged or cutoff is None or a.created_at >= cutoff
+
+    roots = {a.digest for a in arts if root(a)}
     keep: set[Digest] = set()
     todo = list(roots)
     while todo:
@@ -139,8 +156,8 @@ def plan(catalog: Catalog, store: BlobStore, *, grace: float = DEFAULT_GRACE,
             young += 1
         else:
             sweep.append(info)
-    return GcPlan(now, grace, untagged_older_than, doomed, tuple(sweep), len(keep),
-                  len(referenced), young)
+    return GcPlan(now, grace, untagged_older_than, unused_for, doomed, tuple(sweep),
+                  len(keep), len(referenced), young)
 
 
 def _refuse(unknown: list[Digest]) -> None:
@@ -170,13 +187,16 @@ def execute(catalog: Catalog, store: BlobStore, gc_plan: GcPlan, event: EventRec
                  "if the store really holds nothing you need, run gc --allow-empty-catalog")
     detail = {**event.detail, "grace_seconds": p.grace,
               "untagged_older_than_seconds": p.untagged_older_than,
+              "unused_for_seconds": p.unused_for,
               "blobs_planned": len(p.blobs), "bytes_planned": p.bytes_freed}
     # The event goes in with the artifact deletions, atomically; the blob sweep that
     # follows leaves its own trail in blob_deletions.
-    retention = p.untagged_older_than if p.untagged_older_than is not None else 0.0
     artifacts = catalog.delete_artifacts(
-        p.artifacts, created_before=p.now - timedelta(seconds=retention),
-        event=dataclasses.replace(event, detail=detail))
+        p.artifacts, event=dataclasses.replace(event, detail=detail),
+        created_before=None if p.untagged_older_than is None
+        else p.now - timedelta(seconds=p.untagged_older_than),
+        unused_before=None if p.unused_for is None
+        else p.now - timedelta(seconds=p.unused_for))
     cutoff = (p.now - timedelta(seconds=p.grace)).timestamp()
     sizes = {b.digest: b.stored_size for b in p.blobs}
     freed = 0

@@ -37,7 +37,7 @@ from llama_cpp.llama_cache import BaseLlamaCache
 
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
-from kvgraft.errors import IncompatibleModel, IntegrityError, UsageError
+from kvgraft.errors import IncompatibleModel, IntegrityError, QuotaExceeded, UsageError
 from kvgraft.formats.chunks import DEFAULT_CHUNK_TOKENS
 from kvgraft.integrations.background import Background, Counters
 from kvgraft.integrations.llamacpp.engine import LlamaModel
@@ -226,8 +226,13 @@ class RegistryCache(BaseLlamaCache):
                                created=datetime.now(UTC))
             tokens = Digest.of(np.asarray(ids, dtype="<i8").tobytes())
             ref = Reference(self.settings.repository, tag=f"t-{tokens.hex[:32]}")
-            self.registry.push(path, ref,
-                               options=PushOptions(chunk_tokens=self.settings.chunk_tokens))
+            try:
+                self.registry.push(path, ref,
+                                   options=PushOptions(chunk_tokens=self.settings.chunk_tokens))
+            except QuotaExceeded as e:  # the repository is full of pinned grafts
+                self.counters.add("dropped.quota")
+                log.warning("kvgraft: prompt not published: %s", e)
+                return
             self._published_bytes += len(data)
             self.counters.add("published")
         finally:

@@ -41,7 +41,8 @@ COUNTERS = "counters"
 SAMPLES = "samples"
 RESTORE_SECONDS = "restore_seconds"
 PUBLISH_OUTCOMES = {"queued.publish": "queued", "published": "stored",
-                    "dropped.publish": "dropped", "failed.publish": "failed"}
+                    "dropped.publish": "dropped", "dropped.quota": "over_quota",
+                    "failed.publish": "failed"}
 PLAIN = {"lookups": "lookups", "hits": "hits", "restored": "restores",
          "restored_tokens": "restored_tokens"}
 SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

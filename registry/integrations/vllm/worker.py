@@ -24,7 +24,7 @@ import torch
 
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
-from kvgraft.errors import RegistryError
+from kvgraft.errors import QuotaExceeded, RegistryError
 from kvgraft.formats.manifest import BlobRef
 from kvgraft.integrations.vllm import paged
 from kvgraft.integrations.vllm.common import Context, KvgraftMetadata, LoadSpec, SaveSpec
@@ -213,7 +213,12 @@ class KvgraftConnectorWorker:
 
         def job() -> None:
             t0 = time.perf_counter()
-            digest = publish(registry, ident, repository, chunk, spec.token_ids, layers)
+            try:
+                digest = publish(registry, ident, repository, chunk, spec.token_ids, layers)
+            except QuotaExceeded as e:  # the repository is full of pinned grafts
+                self.ctx.counters.add("dropped.quota")
+                log.warning("kvgraft: request %s not published: %s", spec.req_id, e)
+                return
             self.ctx.counters.add("published")
             log.info("kvgraft: published %d tokens of request %s as %s@%s (%.3f s)",
                      len(spec.token_ids), spec.req_id, repository, digest,
