@@ -272,5 +272,19 @@ def test_pins_and_quotas_through_a_server(tmp_path: Path) -> None:
         assert bad.status_code == 400
         assert run("admin", "quota", "rm", "team/a").returncode == 0
         assert run("rw", "push", str(tmp_path / "two.kv"), "team/a:v2").returncode == 0
+        # gc --unused-for through the server: admins only; the pinned graft stays
+        assert run("team-admin", "gc", "--unused-for", "0s", "--dry-run").returncode == 8
+        two = json.loads(run("rw", "inspect", "team/a:v2", "--json").stdout)["digest"]
+        planned = run("admin", "gc", "--unused-for", "0s", "--grace", "0s", "--dry-run",
+                      "--json")
+        assert json.loads(planned.stdout)["plan"]["artifacts"] == [two], planned.stderr
+        done = run("admin", "gc", "--unused-for", "0s", "--grace", "0s", "--json")
+        result = json.loads(done.stdout)
+        assert result["artifacts_deleted"] == [two] and result["blobs_deleted"] > 0
+        assert run("rw", "pull", "team/a:v2", "-o", str(tmp_path / "x.kv")).returncode == 3
+        assert run("rw", "pull", "team/a:v1", "-o", str(tmp_path / "y.kv")).returncode == 0
+        [event] = [e for e in map(json.loads, run("admin", "log", "--action", "gc", "--json")
+                                  .stdout.splitlines())]
+        assert event["actor"] == "token:admin"
         assert server.alive()
     assert "Traceback" not in (tmp_path / "server.log").read_text()

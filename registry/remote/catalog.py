@@ -11,7 +11,7 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvgraft.catalog.events import ChainReport
 from kvgraft.catalog.records import (
@@ -29,6 +29,9 @@ from kvgraft.errors import NotFound
 from kvgraft.reference import Reference
 from kvgraft.remote import wire
 from kvgraft.remote.transport import JsonApi
+
+if TYPE_CHECKING:  # gc's module loads the SQL catalog: only a gc needs it
+    from kvgraft.transfer.gc import GcPlan, GcResult
 
 API = "/kvgraft/v1"
 T = TypeVar("T")
@@ -192,6 +195,25 @@ class HttpCatalog:
     def quotas(self) -> list[Quota]:
         return self._get("quotas", "quotas",
                          lambda a: [Quota.from_json(q) for q in a["quotas"]])
+
+    def gc_plan(self, *, grace: float, untagged_older_than: float | None,
+                unused_for: float | None) -> GcPlan:
+        """The server's gc plan of its own catalog and store (admin on every repository)."""
+        from kvgraft.transfer.gc import GcPlan
+
+        body = {"grace": grace, "untagged_older_than": untagged_older_than,
+                "unused_for": unused_for, "dry_run": True}
+        return self._post("gc", body, "plan a gc", lambda a: GcPlan.from_json(a["plan"]))
+
+    def gc(self, plan: GcPlan, *, allow_empty_catalog: bool) -> GcResult:
+        """A gc on the server with `plan`'s settings; the server plans again as it runs
+        (what changed since `plan` was printed counts)."""
+        from kvgraft.transfer.gc import GcResult
+
+        body = {"grace": plan.grace, "untagged_older_than": plan.untagged_older_than,
+                "unused_for": plan.unused_for, "dry_run": False,
+                "allow_empty_catalog": allow_empty_catalog}
+        return self._post("gc", body, "gc", GcResult.from_json)
 
     def add_event(self, event: EventRecord) -> None:
         self._post("events", _about(event), f"record a {event.action} event", lambda a: None)

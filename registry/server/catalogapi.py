@@ -30,7 +30,7 @@ from kvgraft.server.catalogread import (
 from kvgraft.server.catalogwrite import add_attestation, add_event, push, tag, untag, upload
 from kvgraft.server.endpoint import endpoint_of
 from kvgraft.server.kvapi import PREFIX
-from kvgraft.server.lifecycleapi import pin, quotas, set_quota
+from kvgraft.server.lifecycleapi import gc, pin, quotas, set_quota
 
 
 def routes() -> list[Route]:
@@ -54,4 +54,5 @@ def routes() -> list[Route]:
         Route(f"{p}/pin", endpoint_of(pin, body="json"), methods=["POST"]),
         Route(f"{p}/quotas", endpoint_of(quotas), methods=["GET"]),
         Route(f"{p}/quotas", endpoint_of(set_quota, body="json"), methods=["POST"]),
+        Route(f"{p}/gc", endpoint_of(gc, body="json"), methods=["POST"]),
     ]

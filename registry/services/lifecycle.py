@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from kvgraft.services.events import EventLog
     from kvgraft.transfer.gc import GcPlan, GcResult
 
-GC_ELSEWHERE = ("run `kvgraft gc` on the server's host with a direct remote (--catalog, "
-                "--store): it needs the whole catalog and store")
+GC_ELSEWHERE = ("run `kvgraft gc` with a direct remote (--catalog, --store) or through a "
+                "kvgraft server: it needs the whole catalog and store")
 
 
 def _parsed(ref: Reference | str) -> Reference:
@@ -69,16 +69,24 @@ class Lifecycle:
     def gc_plan(self, *, grace: float | None = None,
                 untagged_older_than: float | None = None,
                 unused_for: float | None = None) -> GcPlan:
+        from kvgraft.services.backends import Served
         from kvgraft.transfer.gc import DEFAULT_GRACE, plan
 
+        grace = DEFAULT_GRACE if grace is None else grace
+        if isinstance(self.backends, Served):  # the server collects its own
+            return self.backends.catalog.gc_plan(
+                grace=grace, untagged_older_than=untagged_older_than, unused_for=unused_for)
         catalog = self.backends.whole_catalog("gc", GC_ELSEWHERE)
         store = self.backends.whole_store("gc", GC_ELSEWHERE)
-        return plan(catalog, store, grace=DEFAULT_GRACE if grace is None else grace,
-                    untagged_older_than=untagged_older_than, unused_for=unused_for)
+        return plan(catalog, store, grace=grace, untagged_older_than=untagged_older_than,
+                    unused_for=unused_for)
 
     def gc(self, gc_plan: GcPlan, *, allow_empty_catalog: bool = False) -> GcResult:
+        from kvgraft.services.backends import Served
         from kvgraft.transfer.gc import execute
 
+        if isinstance(self.backends, Served):
+            return self.backends.catalog.gc(gc_plan, allow_empty_catalog=allow_empty_catalog)
         catalog = self.backends.whole_catalog("gc", GC_ELSEWHERE)
         store = self.backends.whole_store("gc", GC_ELSEWHERE)
         return execute(catalog, store, gc_plan,

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -88,13 +88,29 @@ class GcPlan:
         return sum(b.stored_size for b in self.blobs)
 
     def to_json(self) -> dict[str, Any]:
-        return {"grace_seconds": self.grace,
+        return {"planned_at": self.now.isoformat(), "grace_seconds": self.grace,
                 "untagged_older_than_seconds": self.untagged_older_than,
                 "unused_for_seconds": self.unused_for,
                 "artifacts": [str(d) for d in self.artifacts],
                 "blobs": [str(b.digest) for b in self.blobs],
+                "blob_sizes": [b.stored_size for b in self.blobs],
                 "bytes_freed": self.bytes_freed, "kept_artifacts": self.kept_artifacts,
                 "kept_blobs": self.kept_blobs, "young_blobs": self.young_blobs}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> GcPlan:
+        """A plan a server made and sent (its blobs' times stay on the server)."""
+        blobs = tuple(BlobInfo(Digest.parse(str(d)), int(n), 0.0)
+                      for d, n in zip(raw["blobs"], raw["blob_sizes"], strict=True))
+        return cls(datetime.fromisoformat(raw["planned_at"]), float(raw["grace_seconds"]),
+                   _seconds(raw["untagged_older_than_seconds"]),
+                   _seconds(raw["unused_for_seconds"]),
+                   tuple(Digest.parse(str(d)) for d in raw["artifacts"]), blobs,
+                   int(raw["kept_artifacts"]), int(raw["kept_blobs"]), int(raw["young_blobs"]))
+
+
+def _seconds(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +125,14 @@ class GcResult:
         return {"dry_run": False, "plan": self.plan.to_json(),
                 "artifacts_deleted": [str(d) for d in self.artifacts],
                 "blobs_deleted": len(self.blobs), "bytes_freed": self.bytes_freed,
-                "errors": list(self.errors)}
+                "errors": list(self.errors), "blobs": [str(d) for d in self.blobs]}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> GcResult:
+        return cls(GcPlan.from_json(raw["plan"]),
+                   tuple(Digest.parse(str(d)) for d in raw["artifacts_deleted"]),
+                   tuple(Digest.parse(str(d)) for d in raw["blobs"]),
+                   int(raw["bytes_freed"]), tuple(str(e) for e in raw["errors"]))
 
 
 def plan(catalog: Catalog, store: BlobStore, *, grace: float = DEFAULT_GRACE,
