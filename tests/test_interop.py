@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,20 +16,20 @@ from typing import Any
 import pytest
 import requests
 
-from tests.support.harness import unavailable
-from tests.support.serve import Server, free_port, kvgraft, make_token, running_server, server_env
+from tests.support.serve import (
+    Server,
+    free_port,
+    kvgraft,
+    make_token,
+    running_distribution,
+    running_server,
+    server_env,
+    tool,
+)
 from tests.support.synthetic import write_synthetic
 
 TEAM = "team/kv"
 GRAFT_TYPE = "application/vnd.kvgraft.graft.v1"
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        unavailable(f"{name} (Debian package)")
-    assert path is not None
-    return path
 
 
 def _sha256(path: Path) -> str:
@@ -62,7 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, graft_file: Path) -> Iterat
 
 
 def _skopeo(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([_tool("skopeo"), "--insecure-policy", *args], capture_output=True,
+    return subprocess.run([tool("skopeo"), "--insecure-policy", *args], capture_output=True,
                           text=True, timeout=120, check=check)
 
 
@@ -135,40 +133,9 @@ def test_oras_sdk_pulls_a_graft_with_a_scoped_token_and_every_digest_checks(
 @pytest.fixture(scope="module")
 def distribution(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """CNCF Distribution (Debian's docker-registry) on loopback: (host:port, storage root)."""
-    binary = _tool("docker-registry")
     root = tmp_path_factory.mktemp("distribution")
-    port = free_port()
-    config = root / "config.yml"
-    config.write_text(f"""version: 0.1
-log:
-  level: warn
-storage:
-  filesystem:
-    rootdirectory: {root / 'storage'}
-  delete:
-    enabled: true
-http:
-  addr: 127.0.0.1:{port}
-""")
-    log = root / "registry.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([binary, "serve", str(config)], stdout=out,
-                                stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, "docker-registry did not start"
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}", root / "storage"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=15)
+    with running_distribution(root) as hostport:
+        yield hostport, root / "storage"
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

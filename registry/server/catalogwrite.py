@@ -4,23 +4,22 @@ events and attestations (see catalogapi)."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import mmap
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from kvgraft.blobstore import BlobStore
-from kvgraft.catalog.records import AttestationRecord, BlobRecord, PushRecord
+from kvgraft.catalog.records import AttestationRecord, BlobRecord
 from kvgraft.client import check_labels
 from kvgraft.codecs.codec import max_stored_size, parse_frame
-from kvgraft.codecs.stream import decoded_pieces, reader_at, seekable, stored_header
+from kvgraft.codecs.stream import reader_at, stored_header
 from kvgraft.digest import Digest
-from kvgraft.errors import Conflict, IntegrityError, NotFound, RegistryError, UsageError
+from kvgraft.errors import IntegrityError, RegistryError, UsageError
 from kvgraft.formats.manifest import BlobRef, Manifest
 from kvgraft.remote import wire
 from kvgraft.server.context import Context
@@ -37,6 +36,7 @@ from kvgraft.server.endpoint import (
     visible_in,
 )
 from kvgraft.server.errors import OciError, digits
+from kvgraft.server.graftcommit import check_parents, check_stream, checked_record, commit
 from kvgraft.server.oci import _receive as receive
 
 # --- writes --------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
     would tell a tenant which content others hold (docs/security.md)."""
     try:
         with open(path, "rb") as f:
-            _check_stream(f, digest, size)
+            check_stream(f, digest, size)
             codec = stored_header(reader_at(f))[0]
     except IntegrityError as e:
         raise OciError(400, "DIGEST_INVALID", f"the upload of blob {digest} is corrupt: "
@@ -115,38 +115,16 @@ def _store_upload(ctx: Context, repository: str, digest: Digest, size: int,
     new_here = ctx.oci.blob_size(repository, str(digest)) is None
     store = ctx.store
     present = store.stat(digest) is not None
-    kept = _checked_record(store, digest, size) if present else None
+    kept = checked_record(store, digest, size) if present else None
     if kept is None:
         _put_file(store, digest, path, replace=present)
-        kept = _checked_record(store, digest, size)
+        kept = checked_record(store, digest, size)
         if kept is None:
             raise OciError(503, "UNAVAILABLE", f"blob {digest} did not read back intact")
     ctx.catalog.refresh_blobs([kept])
     ctx.oci.link_blob(repository, str(digest), size)
     return {"digest": str(digest), "stored": new_here, "stored_size": path.stat().st_size,
             "codec": codec}
-
-
-def _check_stream(f: BinaryIO, digest: Digest, size: int) -> None:
-    """Decode the stored blob in `f` piece by piece and hash it: memory stays a few pieces
-    whatever size the client declared."""
-    h = hashlib.sha256()
-    for piece in decoded_pieces(seekable(f, max_stored_size(size)), size):
-        h.update(piece)
-    digest.check(Digest.from_hasher(h), "decoded content")
-
-
-def _checked_record(store: BlobStore, digest: Digest, size: int) -> BlobRecord | None:
-    """The stored blob's row if it decodes to `size` bytes hashing to `digest`; None if it
-    is corrupt (NotFound if it is gone)."""
-    try:
-        with store.open(digest) as raw, seekable(raw, max_stored_size(size)) as f:
-            codec = stored_header(reader_at(f))[0]
-            _check_stream(f, digest, size)
-            stored_size = f.seek(0, 2)
-    except IntegrityError:
-        return None
-    return BlobRecord(digest, size, stored_size, codec)
 
 
 def _put_file(store: BlobStore, digest: Digest, path: Path, *, replace: bool) -> bool:
@@ -226,38 +204,15 @@ def _held_blobs(ctx: Context, repository: str, manifest: Manifest) -> tuple[Blob
 def push(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     """Commit a push: the manifest must parse and hash to its digest, and the repository
     must hold every blob it names; the rows come from the store, not the client."""
-    from kvgraft.transfer.gc import ensure_blobs
-
     repository, tag, labels, manifest = _pushed_manifest(request, ctx, body)
-    for parent in manifest.parents:
-        visible_in(request, ctx, parent)
+    check_parents(request, ctx, manifest)
     records = _held_blobs(ctx, repository, manifest)
     action, _, detail = event_fields(body)
-    event = ctx.event_record(request, "copy" if action == "copy" else "push",
-                             repository=repository, tag=tag, digest=manifest.digest,
-                             detail=detail)
-    catalog = ctx.catalog
-    new_here = not _in_repository(ctx, repository, manifest.digest)
-    outcome = catalog.record_push(PushRecord(manifest, tuple(records), repository, tag,
-                                             labels, event))
-
-    def lost() -> list[BlobRecord]:
-        raise Conflict(f"a gc deleted blobs of {manifest.digest} while it was pushed",
-                       hint="push again")
-
-    ensure_blobs(catalog, ctx.store, manifest, lost)
-    # `created` as this repository sees it: whether another tenant pushed the same
-    # content first is not this caller's to learn.
-    return {"digest": str(manifest.digest), "created": new_here,
-            "previous": str(outcome.previous) if outcome.previous else None,
-            "evicted": [str(d) for d in outcome.evicted]}
-
-
-def _in_repository(ctx: Context, repository: str, digest: Digest) -> bool:
-    try:
-        return repository in ctx.catalog.artifact(digest).repositories
-    except NotFound:
-        return False
+    done = commit(request, ctx, manifest, records, repository, tag, labels,
+                  "copy" if action == "copy" else "push", detail)
+    return {"digest": str(manifest.digest), "created": done.created,
+            "previous": str(done.previous) if done.previous else None,
+            "evicted": [str(d) for d in done.evicted]}
 
 
 def tag(request: Request, ctx: Context, body: Any) -> dict[str, Any]:

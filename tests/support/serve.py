@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import requests
+
+from tests.support.harness import unavailable
 
 
 def free_port() -> int:
@@ -120,3 +123,52 @@ def catalog_env(request: object, home: Path) -> Iterator[dict[str, str]]:
     finally:
         with create_engine(base).begin() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+
+
+def tool(name: str) -> str:
+    """The path of a program a test needs (a Debian package's); skipped (failed in CI)
+    when the machine lacks it."""
+    path = shutil.which(name)
+    if path is None:
+        unavailable(f"{name} (Debian package)")
+    assert path is not None
+    return path
+
+
+@contextmanager
+def running_distribution(root: Path) -> Iterator[str]:
+    """CNCF Distribution (Debian's `docker-registry`) on loopback, storing under
+    root/storage, its log in root/registry.log: yields its host:port."""
+    binary = tool("docker-registry")
+    port = free_port()
+    config = root / "config.yml"
+    config.write_text(f"""version: 0.1
+log:
+  level: warn
+storage:
+  filesystem:
+    rootdirectory: {root / 'storage'}
+  delete:
+    enabled: true
+http:
+  addr: 127.0.0.1:{port}
+""")
+    log = root / "registry.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([binary, "serve", str(config)], stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert time.monotonic() < deadline, "docker-registry did not start"
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=15)
