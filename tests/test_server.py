@@ -380,8 +380,22 @@ def test_oversized_manifest_and_header(server: Server, tokens: dict[str, str]) -
     assert requests.get(f"{server.url}/v2/", headers=h).status_code == 200
 
 
-def test_gc_keeps_blobs_oci_repositories_hold(server: Server, tokens: dict[str, str]) -> None:
-    digest = _push_blob(server, "team/keep", b"kept by gc", tokens["push"])
+def test_gc_keeps_what_oci_manifests_name_and_fresh_uploads(
+        server: Server, tokens: dict[str, str]) -> None:
+    """As an OCI registry's gc: blobs a manifest names stay, uploads inside the grace
+    period stay (their manifest may be on its way), an old upload nothing names goes."""
+    h = _auth(tokens["push"])
+    config = _push_blob(server, "team/keep", b"{}", tokens["push"])
+    layer = _push_blob(server, "team/keep", b"kept by gc", tokens["push"])
+    stray = _push_blob(server, "team/keep", b"named by nothing", tokens["push"])
+    image = _image(config, [(layer, len(b"kept by gc"))])
+    assert _put_manifest(server, "team/keep", "v1", image, tokens["push"]).status_code == 201
+    kvgraft(server.env, "gc")  # the default grace: every upload is young
+    assert requests.get(f"{server.url}/v2/team/keep/blobs/{stray}", headers=h).status_code \
+        == 200
     kvgraft(server.env, "gc", "--grace", "0s")
-    r = requests.get(f"{server.url}/v2/team/keep/blobs/{digest}", headers=_auth(tokens["push"]))
+    r = requests.get(f"{server.url}/v2/team/keep/blobs/{layer}", headers=h)
     assert r.status_code == 200 and r.content == b"kept by gc"
+    assert requests.get(f"{server.url}/v2/team/keep/manifests/v1", headers=h).content == image
+    assert requests.get(f"{server.url}/v2/team/keep/blobs/{stray}", headers=h).status_code \
+        == 404

@@ -405,16 +405,18 @@ class Catalog(CatalogReader):
             self._add_event(s, dataclasses.replace(event, detail=detail), now)
         return gone
 
-    def sweep_blobs(self, digests: Iterable[Digest],
-                    delete_blob: gcquery.BlobDeleter) -> list[Digest]:
+    def sweep_blobs(self, digests: Iterable[Digest], delete_blob: gcquery.BlobDeleter, *,
+                    planned_at: datetime, uploaded_after: datetime) -> list[Digest]:
         """Delete from the store and the catalog the blobs among `digests` that no artifact
-        references; see kvgraft.transfer.gc for why this is safe while others push."""
+        references, no OCI manifest put since `planned_at` names, and no repository linked
+        after `uploaded_after`; see kvgraft.transfer.gc for why this is safe while others
+        push."""
         wanted = list(digests)
         with self._session(write=True) as s:
             gcquery.record_deletions(s, wanted, _now())
         with self._session(write=True) as s:
             gcquery.lock_for_gc(s)
-            return gcquery.sweep(s, wanted, delete_blob)
+            return gcquery.sweep(s, wanted, delete_blob, planned_at, uploaded_after)
 
     def deleted_blobs(self, digests: Iterable[Digest]) -> set[Digest]:
         """The blobs among `digests` that a gc has deleted (or set out to) at some time."""

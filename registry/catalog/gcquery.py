@@ -3,6 +3,7 @@ push commits, and the deletions it carries out under that lock (see kvgraft.tran
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -19,6 +20,7 @@ from kvgraft.catalog.models import (
     BlobDeletionRow,
     BlobRow,
     OciBlobLinkRow,
+    OciManifestRow,
     RepositoryArtifactRow,
     TagRow,
 )
@@ -79,9 +81,9 @@ def lock_for_gc(s: Session) -> None:
     ROW EXCLUSIVE on each until it commits; SHARE ROW EXCLUSIVE waits for those and
     blocks new ones. SQLite writers already exclude each other (BEGIN IMMEDIATE)."""
     if s.get_bind().dialect.name == "postgresql":
-        # oci_blob_links: what `kvgraft serve` writes when an OCI client pushes a blob.
-        s.execute(text("LOCK TABLE blobs, artifacts, artifact_blobs, oci_blob_links "
-                       "IN SHARE ROW EXCLUSIVE MODE"))
+        # oci_blob_links, oci_manifests: what `kvgraft serve` writes for OCI clients.
+        s.execute(text("LOCK TABLE blobs, artifacts, artifact_blobs, oci_blob_links, "
+                       "oci_manifests IN SHARE ROW EXCLUSIVE MODE"))
 
 
 def delete_artifacts(s: Session, digests: Iterable[Digest], created_before: datetime | None,
@@ -136,16 +138,21 @@ def record_deletions(s: Session, digests: Iterable[Digest], now: datetime) -> No
         s.execute(insert(BlobDeletionRow), rows)
 
 
-def sweep(s: Session, digests: list[Digest], delete_blob: BlobDeleter) -> list[Digest]:
+def sweep(s: Session, digests: list[Digest], delete_blob: BlobDeleter,
+          planned_at: datetime, uploaded_after: datetime) -> list[Digest]:
     referenced: set[str] = set()
     for keys in _chunks([str(d) for d in digests]):
         referenced.update(s.scalars(select(ArtifactBlobRow.blob_digest).distinct()
                                     .where(ArtifactBlobRow.blob_digest.in_(keys))))
-        referenced.update(s.scalars(select(OciBlobLinkRow.digest).distinct()
-                                    .where(OciBlobLinkRow.digest.in_(keys))))
+        referenced.update(s.scalars(select(OciBlobLinkRow.digest).distinct().where(
+            OciBlobLinkRow.digest.in_(keys), OciBlobLinkRow.created_at >= uploaded_after)))
+    for raw in s.scalars(select(OciManifestRow.blobs).where(
+            OciManifestRow.created_at >= planned_at)):
+        referenced.update(json.loads(raw))
     gone = [d for d in digests if str(d) not in referenced and delete_blob(d)]
     for keys in _chunks([str(d) for d in gone]):
         s.execute(delete(BlobRow).where(BlobRow.digest.in_(keys)))
+        s.execute(delete(OciBlobLinkRow).where(OciBlobLinkRow.digest.in_(keys)))
     return gone
 
 

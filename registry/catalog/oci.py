@@ -105,11 +105,18 @@ class OciTables:
                 OciBlobLinkRow.digest == digest).limit(1))
             return None if size is None else int(size)
 
-    def linked_blobs(self) -> set[Digest]:
-        """Every blob an OCI repository holds: gc keeps them."""
+    def kept_blobs(self, uploaded_after: datetime) -> set[Digest]:
+        """What gc keeps for OCI clients: every blob an OCI manifest references, and every
+        blob uploaded (linked) after `uploaded_after`, whose manifest or push commit may
+        still be on its way. An older link with nothing referencing its blob holds nothing
+        (as in an OCI registry's gc): kvgraft pushes through a server link their blobs too,
+        and those bytes must go when their artifacts do."""
         with self.catalog._session() as s:
-            return {Digest.parse(d) for d in
-                    s.scalars(select(OciBlobLinkRow.digest).distinct())}
+            found = set(s.scalars(select(OciBlobLinkRow.digest).distinct().where(
+                OciBlobLinkRow.created_at >= uploaded_after)))
+            for raw in s.scalars(select(OciManifestRow.blobs)):
+                found.update(json.loads(raw))
+        return {Digest.parse(d) for d in found}
 
     # --- manifests and tags ------------------------------------------------------------
 

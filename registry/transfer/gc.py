@@ -22,9 +22,11 @@ not help there (b is old). Three rules close it:
 
 1. gc deletes blobs only inside a catalog transaction that excludes push commits
    (SQLite: the write lock every writer takes; PostgreSQL: SHARE ROW EXCLUSIVE on blobs,
-   artifacts and artifact_blobs, which every push commit writes) and that re-checks,
-   under that lock, that no artifact references the blob and that the stored object is
-   still older than the grace. The store object is deleted while the lock is held. So
+   artifacts and artifact_blobs, which every push commit writes, and on the OCI tables)
+   and that re-checks, under that lock, that no artifact references the blob, that no OCI
+   manifest put since the plan names it, that no repository linked it inside the grace
+   (an upload through `kvgraft serve`), and that the stored object is still older than
+   the grace. The store object is deleted while the lock is held. So
    any push either committed before (gc sees the reference and keeps b) or commits after
    the object is already gone.
 2. Before that transaction, gc commits a record of every blob it is about to delete
@@ -168,8 +170,8 @@ def plan(catalog: Catalog, store: BlobStore, *, grace: float = DEFAULT_GRACE,
     if doomed and unknown:
         _refuse(unknown)
     referenced = {b for d in keep for b in by_digest[d].blobs}
-    # Blobs OCI clients pushed through `kvgraft serve` are kept while a repository links them.
-    referenced |= OciTables(catalog).linked_blobs()
+    # Blobs pushed through `kvgraft serve`: those an OCI manifest names, and fresh uploads.
+    referenced |= OciTables(catalog).kept_blobs(now - timedelta(seconds=grace))
     blob_cutoff = (now - timedelta(seconds=grace)).timestamp()
     sweep, young = [], 0
     for info in store.iter():
@@ -243,7 +245,9 @@ def execute(catalog: Catalog, store: BlobStore, gc_plan: GcPlan, event: EventRec
     deleted: list[Digest] = []
     blobs = [b.digest for b in p.blobs]
     for i in range(0, len(blobs), SWEEP_BATCH):
-        deleted += catalog.sweep_blobs(blobs[i:i + SWEEP_BATCH], delete_blob)
+        deleted += catalog.sweep_blobs(blobs[i:i + SWEEP_BATCH], delete_blob,
+                                       planned_at=p.now,
+                                       uploaded_after=p.now - timedelta(seconds=p.grace))
     if isinstance(store, LocalBlobStore):  # writers killed mid-put leave their temp files
         sweep_temp(store.root / "sha256", recursive=True)
     return GcResult(p, tuple(artifacts), tuple(deleted), freed, tuple(errors))
