@@ -18,20 +18,30 @@ The copies here convert to and from the KV file's [kv_heads, tokens, head_dim], 
 holds the same layout whichever engine made it; a layout not known here is refused.
 Every span moved here starts and ends on a block boundary, so a span is a set of whole
 blocks.
+
+Each copy moves a whole run of consecutive blocks (usually all of a chunk's) of one layer
+in one strided NumPy assignment over the raw bytes (as 16- or 32-bit integers: a copy
+needs no float type). NumPy copies on the calling thread and releases the GIL: torch would
+split a copy this large across its OpenMP threads, which vLLM binds to the cores it
+computes on (measured 15x slower on 2 cores), and a copy per block costs more in Python
+than in bytes (a 256-token chunk of SmolLM2-135M into 128-token blocks: 2.0 ms per block,
+0.7 ms per run; `python -m benchmarks.vllm` reports the restore's MB/s).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvgraft.errors import UsageError
 
 TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_INTS = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}  # bytes moved as integers
 
 
 KNOWN_ISAS = ("vec", "amx")  # layouts the copies below implement
@@ -45,49 +55,67 @@ def attention_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
     return str(_get_attn_isa(dtype, block_size, head_dim))
 
 
+def _ints(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A CPU tensor's bytes as a NumPy array of integers of its element size (no copy)."""
+    return t.view(_INTS[t.element_size()][0]).numpy()
+
+
 @dataclass(frozen=True, slots=True)
 class PagedLayer:
-    """One layer's paged cache as [blocks, kv_heads, 2 * block_size, head_dim], and the
-    kernel family whose layout its bytes are in."""
+    """One layer's paged cache: `keys` and `values`, [blocks, kv_heads, *block_shape] views
+    of its bytes, where a file's [kv_heads, n * block_size, head_dim] seen through `_split`
+    is [n, kv_heads, *block_shape] and pairs with n blocks element for element."""
 
-    view: torch.Tensor
+    keys: np.ndarray[Any, Any]
+    values: np.ndarray[Any, Any]
     isa: str
     block_size: int
+    head_dim: int
+    dtype: torch.dtype
 
-    def _block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) of `block` as strided views; a file's [kv_heads, block_size,
-        head_dim] viewed as their shape (`_as`) pairs with them element for element. AMX
-        keys are moved as int32, a pair of dims at a time (3x faster than bf16 pairs)."""
-        heads, dim, bs = self.view.shape[1], self.view.shape[3], self.block_size
-        raw = self.view[block]
-        if self.isa == "amx":
-            key = raw[:, :bs].view(torch.int32).view(heads, bs // 16, dim // 2, 16)
-            value = raw[:, bs:].view(heads, dim // 16, bs // 2, 16, 2)
-            return key.transpose(2, 3), value.permute(0, 2, 4, 1, 3)
-        return raw[:, :bs].view(heads, dim, bs).transpose(1, 2), raw[:, bs:]
+    def _split(self, part: np.ndarray[Any, Any], key: bool) -> np.ndarray[Any, Any]:
+        bs, dim = self.block_size, self.head_dim
+        heads, n = part.shape[0], part.shape[1] // bs
+        if self.isa == "amx" and key:  # int32 pairs of dims, in groups of 16 tokens
+            pairs = part.view(np.int32)  # a row of head dims is contiguous in a file
+            return pairs.reshape(heads, n, bs // 16, 16, dim // 2).swapaxes(0, 1)
+        if self.isa == "amx":  # pairs of tokens, in groups of 16 dims
+            return part.reshape(heads, n, bs // 2, 2, dim // 16, 16).swapaxes(0, 1)
+        return part.reshape(heads, n, bs, dim).swapaxes(0, 1)
 
-    @staticmethod
-    def _as(file_part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        t = file_part.view(torch.int32) if like.dtype == torch.int32 else file_part
-        return t.view(like.shape)  # only splits dims: a view whatever the strides
+    def write(self, blocks: Sequence[int], key: np.ndarray[Any, Any],
+              value: np.ndarray[Any, Any]) -> None:
+        """Copy a file's [kv_heads, len(blocks) * block_size, head_dim] key and value (as
+        integers of the cache's element size) into `blocks`."""
+        k, v = self._split(key, True), self._split(value, False)
+        for j, first, n in _runs(blocks):
+            self.keys[first : first + n] = k[j : j + n]
+            if self.isa == "amx":
+                # one copy per token of a pair: runs of 16 elements, not of 2 (3x faster)
+                for p in range(2):
+                    self.values[first : first + n, :, :, p] = v[j : j + n, :, :, p]
+            else:
+                self.values[first : first + n] = v[j : j + n]
 
-    def write(self, block: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Copy a file's [kv_heads, block_size, head_dim] key and value into `block`."""
-        k, v = self._block(block)
-        k.copy_(self._as(key, k))
-        src = self._as(value, v)
-        if self.isa == "amx":
-            # one copy per token of a pair: runs of 16 elements, not of 2 (1.25x faster)
-            for p in range(2):
-                v[:, :, p].copy_(src[:, :, p])
-        else:
-            v.copy_(src)
+    def read(self, blocks: Sequence[int], key: np.ndarray[Any, Any],
+             value: np.ndarray[Any, Any]) -> None:
+        """Copy `blocks` into a file's [kv_heads, len(blocks) * block_size, head_dim] key
+        and value."""
+        k, v = self._split(key, True), self._split(value, False)
+        for j, first, n in _runs(blocks):
+            k[j : j + n] = self.keys[first : first + n]
+            v[j : j + n] = self.values[first : first + n]
 
-    def read(self, block: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Copy `block` into a file's [kv_heads, block_size, head_dim] key and value."""
-        k, v = self._block(block)
-        self._as(key, k).copy_(k)
-        self._as(value, v).copy_(v)
+
+def _runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(position in `blocks`, first block id, count) of each run of consecutive ids."""
+    j = 0
+    while j < len(blocks):
+        n = 1
+        while j + n < len(blocks) and blocks[j + n] == blocks[j] + n:
+            n += 1
+        yield j, blocks[j], n
+        j += n
 
 
 def block_view(layer: torch.Tensor, kv_heads: int, block_size: int, head_dim: int,
@@ -108,36 +136,47 @@ def block_view(layer: torch.Tensor, kv_heads: int, block_size: int, head_dim: in
     if isa == "amx" and (block_size % 32 or head_dim % 32 or view.element_size() != 2):
         raise UsageError(f"the AMX layout needs a 16-bit KV dtype, block size and head dim "
                          f"multiples of 32 (block {block_size}, head dim {head_dim})")
-    return PagedLayer(view, isa, block_size)
+    if view.element_size() not in _INTS or not view.is_contiguous():
+        raise UsageError(f"unexpected paged KV layout {tuple(layer.shape)} {layer.dtype}")
+    nb, per = view.shape[0], block_size * head_dim  # elements of a block's keys (or values)
+    raw = _ints(view).reshape(nb, kv_heads, 2 * per)
+    keys, values = raw[:, :, :per], raw[:, :, per:]
+    if isa == "amx":
+        pairs = _ints(view.view(torch.int32)).reshape(nb, kv_heads, per)[:, :, : per // 2]
+        k = pairs.reshape(nb, kv_heads, block_size // 16, head_dim // 2, 16).swapaxes(3, 4)
+        v = values.reshape(nb, kv_heads, head_dim // 16, block_size // 2, 16, 2) \
+            .transpose(0, 1, 3, 5, 2, 4)
+    else:  # keys transposed, [head_dim, block_size]; values as they are
+        k = keys.reshape(nb, kv_heads, head_dim, block_size).swapaxes(2, 3)
+        v = values.reshape(nb, kv_heads, block_size, head_dim)
+    return PagedLayer(k, v, isa, block_size, head_dim, dtype)
 
 
 def gather(layer: PagedLayer, blocks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(key, value), each [kv_heads, len(blocks) * block_size, head_dim], contiguous copies."""
-    heads, dim, bs = layer.view.shape[1], layer.view.shape[3], layer.block_size
-    key = torch.empty(heads, len(blocks) * bs, dim, dtype=layer.view.dtype)
+    key = torch.empty(layer.keys.shape[1], len(blocks) * layer.block_size, layer.head_dim,
+                      dtype=layer.dtype)
     value = torch.empty_like(key)
-    for j, b in enumerate(blocks):
-        layer.read(b, key[:, j * bs : (j + 1) * bs], value[:, j * bs : (j + 1) * bs])
+    layer.read(blocks, _ints(key), _ints(value))
     return key, value
 
 
-def scatter(layer: PagedLayer, blocks: Sequence[int], key: torch.Tensor,
-            value: torch.Tensor) -> None:
-    """Write key/value [kv_heads, len(blocks) * block_size, head_dim] into `blocks`.
-
-    One copy per block: each is below torch's parallel grain size, so it runs on the calling
-    thread. A single indexed copy of many blocks is split across torch's threads, which
-    vLLM binds to the cores it computes on: measured 15x slower on 2 cores."""
-    bs, tokens, n = layer.block_size, key.shape[1], len(blocks)
-    if tokens != n * bs or value.shape != key.shape:
-        raise UsageError(f"span of {tokens} tokens does not fill {n} blocks")
-    for j, b in enumerate(blocks):
-        layer.write(b, key[:, j * bs : (j + 1) * bs], value[:, j * bs : (j + 1) * bs])
+def scatter(layer: PagedLayer, blocks: Sequence[int], key: torch.Tensor | np.ndarray[Any, Any],
+            value: torch.Tensor | np.ndarray[Any, Any]) -> None:
+    """Write key/value [kv_heads, len(blocks) * block_size, head_dim] into `blocks`."""
+    k = _ints(key) if isinstance(key, torch.Tensor) else key
+    v = _ints(value) if isinstance(value, torch.Tensor) else value
+    n = len(blocks)
+    if k.shape[1] != n * layer.block_size or v.shape != k.shape:
+        raise UsageError(f"span of {k.shape[1]} tokens does not fill {n} blocks")
+    layer.write(blocks, k, v)
 
 
-def tensor_from(buf: Any, offset: int, shape: tuple[int, ...], dtype: torch.dtype,
-                ) -> torch.Tensor:
+def array_from(buf: Any, offset: int, shape: tuple[int, ...], itemsize: int,
+               ) -> np.ndarray[Any, Any]:
+    """A tensor of a KV file's bytes as integers of `itemsize` bytes (no copy)."""
     count = 1
     for s in shape:
         count *= s
-    return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(shape)
+    return np.frombuffer(buf, dtype=_INTS[itemsize][1], count=count, offset=offset) \
+        .reshape(shape)

@@ -156,16 +156,17 @@ class KvgraftConnectorWorker:
         hlen = int.from_bytes(view[:8], "little")
         header = json.loads(bytes(view[8 : 8 + hlen]))
         base = 8 + hlen
+        size = torch.empty(0, dtype=dtype).element_size()
         written = 0
         for i, dst in enumerate(self._views):
             kv = []
             for part in ("key", "value"):
                 entry = header[f"layers.{i}.{part}"]
-                t = paged.tensor_from(view, base + entry["data_offsets"][0],
-                                      tuple(entry["shape"]), dtype)
+                t = paged.array_from(view, base + entry["data_offsets"][0],
+                                     tuple(entry["shape"]), size)
                 kv.append(t[:, a:b])
             paged.scatter(dst, blocks, kv[0], kv[1])
-            written += 2 * kv[0].numel() * kv[0].element_size()
+            written += 2 * kv[0].nbytes
         return written
 
     def _loaded(self, spec: LoadSpec, done: list[tuple[int, float]], seconds: float,
