@@ -88,3 +88,23 @@ def test_partial_last_chunk_is_found_for_a_prompt_extending_it(
     registry.tag("t/tail:v1", "t/other:latest")
     found = match(registry, ident, [*BASE[:150], 4])
     assert found is not None and set(found.references) == {"t/tail:v1", "t/other:latest"}
+
+
+def test_a_scope_narrows_the_lookup_itself(registry: Registry, tmp_path: Path) -> None:
+    """More grafts of the prefix outside the scope than a lookup takes candidates (32),
+    all newer than the one inside it: the lookup still finds the one inside."""
+    from kvgraft.services.match import MAX_CANDIDATES
+    from kvgraft.services.prefixindex import RepositoryScope
+
+    ident = synthetic_identity("m")
+    kv = write_synthetic(tmp_path / "mine.kv", num_layers=2, kv_heads=1, head_dim=4,
+                         token_ids=BASE[:256], name="m")
+    mine = registry.push(kv, "team/a:v1", options=PushOptions(chunk_tokens=64)).digest
+    for i in range(MAX_CANDIDATES + 4):
+        push(registry, tmp_path, f"n{i}", [*BASE[:256], i])  # t/n{i}: outside the scope
+    unscoped = match(registry, ident, [*BASE[:256], 7, 7])
+    assert unscoped is not None and unscoped.digest != mine
+    found = match(registry, ident, [*BASE[:256], 7, 7],
+                  repositories=RepositoryScope(("team/*",)))
+    assert found is not None and found.digest == mine and found.length == 256
+    assert match(registry, ident, BASE[:256], repositories=RepositoryScope(("x/*",))) is None

@@ -207,6 +207,15 @@ def test_match_searches_only_readable_repositories(world: World) -> None:
     nobody = json.dumps({"model": _model_of(world, "a", "team/short:v1"), "tokens": [7, 8]})
     assert world.get("a", f"{V1}/match", q=guess).json()["match"]["length"] == 64
     assert world.get("a", f"{V1}/match", q=nobody).json() == {"match": None}
+    # narrowed further by the caller (a connector's restore_from): the lookup itself
+    model = _model_of(world, "a", "team/short:v1")
+    for patterns, expect in ((["team/sh*"], mine), (["team/none"], None),
+                             (["other/*"], None)):  # never beyond what the token reads
+        q = json.dumps({"model": model, "tokens": ids, "repositories": patterns})
+        found = world.get("a", f"{V1}/match", q=q).json()["match"]
+        assert (found and found["digest"]) == expect, patterns
+    bad = json.dumps({"model": model, "tokens": ids, "repositories": "team/*"})
+    assert world.get("a", f"{V1}/match", q=bad).status_code == 400
 
 
 def test_match_names_only_readable_references(world: World) -> None:

@@ -83,11 +83,16 @@ class HttpRemote:
             raise Unavailable(f"{what}: {self.url} answered something that is not JSON",
                               hint="is the remote's URL that of a kvgraft server?") from None
 
-    def match(self, identity: ModelIdentity, token_ids: Sequence[int]) -> dict[str, Any] | None:
+    def match(self, identity: ModelIdentity, token_ids: Sequence[int],
+              repositories: Sequence[str] | None = None) -> dict[str, Any] | None:
         """The server's longest cached prefix of `token_ids` for `identity`, among the
-        artifacts this token may pull (kvgraft.services.match.PrefixMatch's JSON), or None."""
-        q = urllib.parse.urlencode({"q": json.dumps(
-            {"model": identity.to_json(), "tokens": [int(t) for t in token_ids]})})
+        artifacts this token may pull (in repositories matching one of the shell patterns
+        `repositories`, if given): kvgraft.services.match.PrefixMatch's JSON, or None."""
+        query: dict[str, Any] = {"model": identity.to_json(),
+                                 "tokens": [int(t) for t in token_ids]}
+        if repositories is not None:
+            query["repositories"] = list(repositories)
+        q = urllib.parse.urlencode({"q": json.dumps(query)})
         found = self.send("GET", f"/kvgraft/v1/match?{q}", what="prefix match")["match"]
         return dict(found) if found else None
 

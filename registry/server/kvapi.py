@@ -33,6 +33,7 @@ from kvgraft.server.endpoint import (
     require_admin,
 )
 from kvgraft.server.errors import OciError, digits
+from kvgraft.services.prefixindex import RepositoryScope
 
 PREFIX = "/kvgraft/v1"
 MAX_BODY = 16 << 20
@@ -149,9 +150,10 @@ def match(request: Request, ctx: Context) -> dict[str, Any]:
     if raw is None or len(raw) > MAX_BODY:
         raise OciError(400, "UNSUPPORTED",
                        'give ?q={"model": {architecture, tokenizer, weights}, "tokens": [...]}')
-    identity, tokens = _match_query(raw)
+    identity, tokens, scope = _match_query(raw)
     readable = frozenset(r for r in repositories(ctx.catalog)
-                         if principal.may(ctx.settings, r, "pull"))
+                         if principal.may(ctx.settings, r, "pull")
+                         and (scope is None or scope(r)))
     if not readable:
         return {"match": None}
     found = prefix_match(ctx.registry, identity, tokens,
@@ -184,7 +186,7 @@ def stats(request: Request, ctx: Context) -> dict[str, Any]:
     return report.to_json()
 
 
-def _match_query(raw: str) -> tuple[ModelIdentity, list[int]]:
+def _match_query(raw: str) -> tuple[ModelIdentity, list[int], RepositoryScope | None]:
     query = json_body(raw.encode("utf-8", "replace"))
     model, tokens = (query.get("model"), query.get("tokens")) if isinstance(query, dict) \
         else (None, None)
@@ -192,8 +194,14 @@ def _match_query(raw: str) -> tuple[ModelIdentity, list[int]]:
             type(t) is int for t in tokens):
         raise OciError(400, "UNSUPPORTED", "a match query is {\"model\": {...}, "
                        "\"tokens\": [integers]}")
+    patterns = query.get("repositories")
+    if patterns is not None and (not isinstance(patterns, list) or len(patterns) > 64 or not all(
+            isinstance(p, str) and 0 < len(p) <= 255 for p in patterns)):
+        raise OciError(400, "UNSUPPORTED", "a match query's repositories are at most 64 "
+                       "names or shell patterns")
     try:
-        return ModelIdentity.from_json(model), tokens
+        return (ModelIdentity.from_json(model), tokens,
+                None if patterns is None else RepositoryScope(tuple(patterns)))
     except (ValueError, KeyError, TypeError, AttributeError, UsageError) as e:
         raise OciError(400, "UNSUPPORTED", f"malformed match query: {e}") from None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -15,7 +15,7 @@ from kvgraft.identity.model import ModelIdentity
 
 if TYPE_CHECKING:
     from kvgraft.services.backends import Backends
-    from kvgraft.services.prefixindex import Candidate, PrefixIndex
+    from kvgraft.services.prefixindex import Candidate, PrefixIndex, RepositoryScope
     from kvgraft.services.transfers import OpenedArtifact
 
 MAX_CANDIDATES = 32  # artifacts whose tokens are compared past the last shared chunk
@@ -85,7 +85,7 @@ def _repositories(registry: Opener, c: Candidate) -> tuple[str, ...]:
 def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *,
           max_candidates: int = MAX_CANDIDATES, require_signed_by: Sequence[str] = (),
           require_verified: bool = False, index: PrefixIndex | None = None,
-          repositories: Callable[[str], bool] | None = None) -> PrefixMatch | None:
+          repositories: RepositoryScope | None = None) -> PrefixMatch | None:
     """The artifact with the longest prefix of `token_ids` cached for `identity` (None if
     no artifact shares even one token). Ties go to the newest artifact.
 
@@ -95,7 +95,7 @@ def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *
     (PolicyRefused, exit 4) rather than answering nothing. `index`: where candidates come
     from (the backends' prefix index by default; a server narrows it to what its caller
     may read). With `repositories`, only artifacts pushed into a repository it accepts are
-    candidates (the others are never opened)."""
+    candidates: the lookup is narrowed to them."""
     from kvgraft.provenance import PolicyRefused
 
     ids = [int(t) for t in token_ids]
@@ -104,8 +104,8 @@ def match(registry: Opener, identity: ModelIdentity, token_ids: Sequence[int], *
     best: tuple[PrefixMatch, Candidate] | None = None
     refused: PolicyRefused | None = None
     index = index or registry.backends.prefix_index()
-    for c in index.candidates(identity, ids, max_candidates):
-        if repositories is not None and not any(
+    for c in index.candidates(identity, ids, max_candidates, repositories):
+        if repositories is not None and not any(  # held there when the lookup ran
                 repositories(r) for r in _repositories(registry, c)):
             continue
         try:

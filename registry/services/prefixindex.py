@@ -12,6 +12,7 @@ chunk, over a bounded number of candidates.
 
 from __future__ import annotations
 
+import fnmatch
 import struct
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -37,9 +38,21 @@ class Candidate:
     references: tuple[str, ...] | None = None  # when the index knows them
 
 
+@dataclass(frozen=True, slots=True)
+class RepositoryScope:
+    """The repositories a match may come from: names or shell patterns (fnmatch). The
+    lookup itself is narrowed to them, so grafts elsewhere neither answer nor take the
+    places of candidates inside."""
+
+    patterns: tuple[str, ...]
+
+    def __call__(self, repository: str) -> bool:
+        return any(fnmatch.fnmatchcase(repository, p) for p in self.patterns)
+
+
 class PrefixIndex(Protocol):
-    def candidates(self, identity: ModelIdentity, ids: Sequence[int],
-                   limit: int) -> Iterator[Candidate]: ...
+    def candidates(self, identity: ModelIdentity, ids: Sequence[int], limit: int,
+                   scope: RepositoryScope | None = None) -> Iterator[Candidate]: ...
 
 
 class CatalogPrefixIndex:
@@ -50,14 +63,20 @@ class CatalogPrefixIndex:
         self.catalog = catalog
         self.within = within
 
-    def candidates(self, identity: ModelIdentity, ids: Sequence[int],
-                   limit: int) -> Iterator[Candidate]:
-        from kvgraft.catalog.lookup import prefix_lookup
+    def candidates(self, identity: ModelIdentity, ids: Sequence[int], limit: int,
+                   scope: RepositoryScope | None = None) -> Iterator[Candidate]:
+        from kvgraft.catalog.lookup import prefix_lookup, repositories
 
+        within = self.within
+        if scope is not None:
+            within = frozenset(r for r in (repositories(self.catalog) if within is None
+                                           else within) if scope(r))
+            if not within:
+                return
         query = struct.pack(f"<{len(ids)}q", *ids)
         found: list[Candidate] = []
         # Every query over one connection, released before the caller opens candidates.
-        with prefix_lookup(self.catalog, self.within) as q:
+        with prefix_lookup(self.catalog, within) as q:
             for c in q.chunk_sizes(identity.key):
                 shared, known = self._by_size(q, identity, query, len(ids), c, limit)
                 found += [Candidate(digest, n, c, shared) for digest, n in known.items()]
@@ -101,9 +120,9 @@ class ServerPrefixIndex:
     def __init__(self, remote: HttpRemote) -> None:
         self.remote = remote
 
-    def candidates(self, identity: ModelIdentity, ids: Sequence[int],
-                   limit: int) -> Iterator[Candidate]:
-        found = self.remote.match(identity, ids)
+    def candidates(self, identity: ModelIdentity, ids: Sequence[int], limit: int,
+                   scope: RepositoryScope | None = None) -> Iterator[Candidate]:
+        found = self.remote.match(identity, ids, scope.patterns if scope else None)
         if found is None:
             return
         yield Candidate(Digest.parse(found["digest"]), int(found["length"]),

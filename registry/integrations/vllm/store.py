@@ -3,13 +3,12 @@ verified chunk fetches, publishing computed prefixes and audit events."""
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import os
 import re
 import struct
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from kvgraft.formats.manifest import BlobRef, Manifest
 from kvgraft.integrations.vllm.identity import EngineIdentity
 from kvgraft.reference import Reference
 from kvgraft.services.match import match
+from kvgraft.services.prefixindex import RepositoryScope
 from kvgraft.transfer.pull import Fetcher
 from kvgraft.transfer.push import PushOptions
 
@@ -114,16 +114,6 @@ def _secret(value: Any) -> str | None:
     return value
 
 
-@dataclass(frozen=True, slots=True)
-class RepositoryScope:
-    """The repositories a restore may come from: names or shell patterns (fnmatch)."""
-
-    patterns: tuple[str, ...]
-
-    def __call__(self, repository: str) -> bool:
-        return any(fnmatch.fnmatchcase(repository, p) for p in self.patterns)
-
-
 def aligned_chunk_tokens(chunk_tokens: int, block_size: int) -> int:
     """The chunk size published: the configured one rounded up to whole blocks, so every
     chunk covers whole vLLM blocks and a restore writes whole blocks."""
@@ -152,7 +142,7 @@ class RestorePlan:
 
 
 def lookup(registry: Registry, ident: EngineIdentity, token_ids: Sequence[int],
-           allow_cross_engine: bool, scope: Callable[[str], bool] | None = None,
+           allow_cross_engine: bool, scope: RepositoryScope | None = None,
            ) -> tuple[Manifest, int, bool] | None:
     """(manifest, tokens covered, cross-engine?) of the graft with the longest prefix of
     `token_ids` this engine may restore, among the grafts tagged in a repository `scope`
