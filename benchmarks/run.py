@@ -3,7 +3,8 @@
 Rows are printed as they come and written to .bench/results.json; .bench/report.html
 shows them in plots (benchmarks.report).
     python -m benchmarks.run [--size-mib 1024] [--quick]
-        [--only startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,llamacpp,catalog]
+        [--only startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,restore,llamacpp,
+                catalog]
 --quick: the catalog at 10k and 100k chunk rows only (not 1M).
 """
 
@@ -24,7 +25,7 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
     parser.add_argument("--only",
                         default="startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,"
-                                "llamacpp,catalog")
+                                "restore,llamacpp,catalog")
     parser.add_argument("--quick", action="store_true",
                         help="the catalog at 10k and 100k chunk rows only")
     args = parser.parse_args()
@@ -73,6 +74,10 @@ def main() -> None:
         from benchmarks import vllm_passes
 
         vllm_passes.run(report, WORKDIR)
+    if "restore" in wanted:
+        from benchmarks import restore_scaling
+
+        restore_scaling.run(report)
     if "llamacpp" in wanted:
         from benchmarks import llamacpp
 

@@ -23,8 +23,8 @@ Rows: {"bench": "vllm", "tokens": N, "cold_s", "prefix_hit_s", "restored_first_s
 "restored_machine_cache_s" (median of 5, no memory tier), "example_s" (median of 5),
 "ratio" (restored_s / cold_s), "breakdown" and "machine_cache_breakdown" (medians of each
 restorer's own timings of those 5 requests: lookup, policy, fetch into the cache, restore
-into the blocks and the thread-seconds of it spent reading and verifying chunks (two
-threads), and "rest" = restored_s minus those: the question's prefill and vLLM's
+into the blocks and the thread-seconds of it spent reading and verifying chunks (a thread
+per core, at least two), and "rest" = restored_s minus those: the question's prefill and vLLM's
 per-request work), "restored_tokens", "restore_mb", "restore_mb_s" (KV written into
 vLLM's blocks per second, worker side), "cache_read_mb_s" (read + verify of the same
 chunks from the machine cache, this process, one thread), "load" (the 1-minute load

@@ -9,24 +9,16 @@ thread, off the request path.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
-import queue
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvgraft.client import Registry
-from kvgraft.digest import Digest
 from kvgraft.errors import QuotaExceeded, RegistryError
-from kvgraft.formats.manifest import BlobRef
-from kvgraft.integrations.vllm import paged
+from kvgraft.integrations.vllm import paged, restore
 from kvgraft.integrations.vllm.common import Context, KvgraftMetadata, LoadSpec, SaveSpec
 from kvgraft.integrations.vllm.hot import HotChunks, MiB
 from kvgraft.integrations.vllm.identity import EngineIdentity
@@ -35,40 +27,6 @@ from kvgraft.transfer.pull import Fetcher
 
 log = logging.getLogger("vllm.kvgraft")
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-LOAD_THREADS = 2  # threads of a restore, each reading, verifying and copying whole chunks
-
-Chunk = tuple[int, int, str, int]  # (start, end, digest, size), as in a RestorePlan
-
-
-def _unpin() -> None:
-    """Let a restore thread run on every core this process may use. vLLM's CPU worker pins
-    its thread to one core of its OpenMP set and new threads inherit that, so both restore
-    threads would share one core while the OpenMP threads on the others wait for the
-    forward. (On 2 cores vLLM keeps the second for its engine process, whose busy-wait
-    holds it while the worker runs: measured no faster there.) Only the calling thread's
-    mask changes (pid 0 is the calling thread on Linux): vLLM's own threads keep theirs."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-
-
-@dataclass
-class _Reader:
-    """Verified chunk bytes for the restore threads: from memory, else from the machine
-    cache (or the store), into memory when it has room, else into a free buffer."""
-
-    fetcher: Fetcher
-    hot: HotChunks
-    free: queue.SimpleQueue[bytearray]  # as many buffers as threads: get never waits
-
-    def read(self, digest: str, n: int, buf: bytearray) -> memoryview:
-        kept = self.hot.get(digest)
-        if kept is not None:
-            return memoryview(kept)
-        into = bytearray(n) if n <= self.hot.capacity else buf
-        data, _ = self.fetcher.get(BlobRef(Digest.parse(digest), n), memoryview(into)[:n])
-        if into is not buf:
-            self.hot.put(digest, into)
-        return memoryview(data)
 
 
 class KvgraftConnectorWorker:
@@ -78,6 +36,7 @@ class KvgraftConnectorWorker:
         self._saving: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._load_errors: set[int] = set()
         self._bufs: list[bytearray] = []
+        self._threads = restore.default_threads()
         self._hot = HotChunks(ctx.settings.memory_cache_mb * MiB)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -112,62 +71,16 @@ class KvgraftConnectorWorker:
         t0 = time.perf_counter()
         todo = [c for c in spec.plan.chunks
                 if max(c[0], spec.start) < min(c[1], spec.plan.end)]
-        reader = _Reader(Fetcher(registry.store, registry.cache, keep_decoded=True),
-                         self._hot, self._buffers(max(c[3] for c in todo)))
-        dtype = paged.TORCH_DTYPES[ident.kv_dtype]
+        threads = min(self._threads, len(todo))
+        reader = restore.Reader(Fetcher(registry.store, registry.cache, keep_decoded=True),
+                                self._hot, restore.buffers(threads, max(c[3] for c in todo),
+                                                           self._bufs))
+        target = restore.Target(self._views, self.ctx.block, spec.block_ids, spec.start,
+                                spec.plan.end, self._views[0].dtype.itemsize)
         hits0 = self._hot.hits
-        # Each chunk is read, verified and copied by one of two threads: SHA-256 and
-        # torch's copies release the GIL, and chunks fill disjoint blocks.
-        with ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="kvgraft-load",
-                                initializer=_unpin) as pool:
-            done = list(pool.map(lambda c: self._load_chunk(reader, spec, c, dtype), todo))
+        done = restore.load(reader, target, todo, threads)
         # hits: approximate if two restores overlap (a log figure)
         self._loaded(spec, done, time.perf_counter() - t0, self._hot.hits - hits0, len(todo))
-
-    def _buffers(self, size: int) -> queue.SimpleQueue[bytearray]:
-        """One reusable buffer per restore thread, each of at least `size` bytes."""
-        if len(self._bufs) < LOAD_THREADS or len(self._bufs[0]) < size:
-            self._bufs = [bytearray(size) for _ in range(LOAD_THREADS)]
-        free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
-        for buf in self._bufs[:LOAD_THREADS]:
-            free.put(buf)
-        return free
-
-    def _load_chunk(self, reader: _Reader, spec: LoadSpec, chunk: Chunk,
-                    dtype: torch.dtype) -> tuple[int, float]:
-        """Read, verify and copy one chunk into its blocks: (bytes written, seconds
-        reading and verifying)."""
-        c_start, c_end, digest, n = chunk
-        buf = reader.free.get()
-        try:
-            tr = time.perf_counter()
-            view = reader.read(digest, n, buf)
-            tr = time.perf_counter() - tr
-            lo, hi = max(c_start, spec.start), min(c_end, spec.plan.end)
-            blocks = spec.block_ids[lo // self.ctx.block : hi // self.ctx.block]
-            return self._write(view, blocks, lo - c_start, hi - c_start, dtype), tr
-        finally:
-            reader.free.put(buf)
-
-    def _write(self, view: memoryview, blocks: list[int], a: int, b: int,
-               dtype: torch.dtype) -> int:
-        """Copy tokens [a, b) of a chunk (a KV file's bytes) into `blocks`, every layer;
-        bytes written."""
-        hlen = int.from_bytes(view[:8], "little")
-        header = json.loads(bytes(view[8 : 8 + hlen]))
-        base = 8 + hlen
-        size = torch.empty(0, dtype=dtype).element_size()
-        written = 0
-        for i, dst in enumerate(self._views):
-            kv = []
-            for part in ("key", "value"):
-                entry = header[f"layers.{i}.{part}"]
-                t = paged.array_from(view, base + entry["data_offsets"][0],
-                                     tuple(entry["shape"]), size)
-                kv.append(t[:, a:b])
-            paged.scatter(dst, blocks, kv[0], kv[1])
-            written += 2 * kv[0].nbytes
-        return written
 
     def _loaded(self, spec: LoadSpec, done: list[tuple[int, float]], seconds: float,
                 in_memory: int, chunks: int) -> None:
