@@ -3,8 +3,8 @@
 Rows are printed as they come and written to .bench/results.json; .bench/report.html
 shows them in plots (benchmarks.report).
     python -m benchmarks.run [--size-mib 1024] [--quick]
-        [--only startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,restore,llamacpp,
-                catalog]
+        [--only startup,core,s3,s3link,codec,graft,server,load,vllm,vllm-passes,restore,
+                llamacpp,catalog]
 --quick: the catalog at 10k and 100k chunk rows only (not 1M).
 """
 
@@ -24,8 +24,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
     parser.add_argument("--only",
-                        default="startup,core,s3,s3link,codec,graft,server,vllm,vllm-passes,"
-                                "restore,llamacpp,catalog")
+                        default="startup,core,s3,s3link,codec,graft,server,load,vllm,"
+                                "vllm-passes,restore,llamacpp,catalog")
     parser.add_argument("--quick", action="store_true",
                         help="the catalog at 10k and 100k chunk rows only")
     args = parser.parse_args()
@@ -66,6 +66,10 @@ def main() -> None:
         from benchmarks import server
 
         server.run(WORKDIR, kv, report)
+    if "load" in wanted:
+        from benchmarks import server_load
+
+        server_load.run(WORKDIR, report)
     if "vllm" in wanted:
         from benchmarks import vllm
 
