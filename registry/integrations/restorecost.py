@@ -14,8 +14,8 @@ restores whatever the figures). The figures are measured in the process, from wh
   weighted estimates of the store's per-request latency and its bytes/s. Until the first
   fetch is measured the store's speed is unknown and a restore goes ahead: it measures it.
 - `PrefillSpeed`: each prompt the engine computes (tokens, seconds) updates an exponentially
-  weighted estimate of seconds per prompt token; a step that computes no prompt (a decode
-  step) measures the engine's per-step overhead, taken off the next prompt's time. Until
+  weighted estimate of seconds per prompt token (weighted by tokens); a step that computes
+  no prompt (a decode step) measures the per-step overhead, taken off a prompt's time. Until
   the first prompt is measured, `DEFAULT_PREFILL_TOKENS_PER_S` (or the engine's setting).
 
 A store that gets slower turns restores into computes; while restores are skipped nothing
@@ -127,24 +127,31 @@ class StoreSpeed:
             return requests * self.latency + nbytes / self.bytes_per_s
 
 class PrefillSpeed:
-    """Seconds per prompt token the engine computes, from the prompts it computed."""
+    """Seconds per prompt token the engine computes, from the prompts it computed: the
+    ratio of exponentially weighted sums of their seconds and their tokens, so a long
+    prompt weighs more than the few tokens computed after a restore (whose time is mostly
+    the engine's per-step overhead)."""
 
     def __init__(self, tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
                  alpha: float = ALPHA) -> None:
         self.alpha = alpha
         self.default = 1.0 / tokens_per_s
-        self.per_token: float | None = None
         self.overhead: float | None = None  # a step's seconds besides its prompt tokens
+        self._seconds = self._tokens = 0.0
         self._lock = threading.Lock()
 
     @property
     def measured(self) -> bool:
-        return self.per_token is not None
+        return self._tokens > 0
+
+    @property
+    def per_token(self) -> float:
+        with self._lock:
+            return self._seconds / self._tokens if self._tokens > 0 else self.default
 
     @property
     def tokens_per_s(self) -> float:
-        with self._lock:
-            return 1.0 / (self.default if self.per_token is None else self.per_token)
+        return 1.0 / self.per_token
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step (or a prompt) that computed `tokens` prompt tokens took `seconds`."""
@@ -154,12 +161,13 @@ class PrefillSpeed:
             if tokens < PREFILL_MIN_TOKENS:
                 self.overhead = _ewma(self.overhead, seconds, self.alpha)
                 return
-            per = max(seconds - (self.overhead or 0.0), seconds / 2) / tokens
-            self.per_token = _ewma(self.per_token, per, self.alpha)
+            keep = 1.0 - self.alpha
+            self._seconds = self._seconds * keep + max(seconds - (self.overhead or 0.0),
+                                                       seconds / 2)
+            self._tokens = self._tokens * keep + tokens
 
     def seconds(self, tokens: int) -> float:
-        with self._lock:
-            return tokens * (self.default if self.per_token is None else self.per_token)
+        return tokens * self.per_token
 
 
 @dataclass(frozen=True, slots=True)
