@@ -1,6 +1,10 @@
 """The vLLM tests' cluster: nodes are processes (support/vllm_node.py), each with its own
 KVGRAFT_HOME and machine cache, sharing one catalog and one bucket. The fixtures that start
-it (`cluster`, `world`) are in conftest.py; node A of `world` publishes Q1 and Q2."""
+it (`cluster`, `world`) are in conftest.py; node A of `world` publishes Q1 and Q2.
+
+The nodes restore with `restore_when = "always"` unless a test says otherwise: their tiny
+models compute a prompt faster than any store answers, and these tests are about what a
+restore does (tests/test_restore_pays.py is about when one pays)."""
 
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ def node_env(shared: dict[str, str], node: Path) -> dict[str, str]:
 def run_node(model: Path, env: dict[str, str], prompts: list[list[int] | dict[str, Any]],
              **options: Any) -> list[dict[str, Any]]:
     spec = {"model": str(model), "env": env, "prompts": prompts,
-            "extra": {"repository": REPO}, **options}
+            "extra": {"repository": REPO, "restore_when": "always"}, **options}
     proc = subprocess.run([sys.executable, "-m", "tests.support.vllm_node", json.dumps(spec)],
                           cwd=ROOT, capture_output=True, text=True, timeout=NODE_TIMEOUT)
     # vLLM logs (the connector's lines included) to stdout
@@ -86,7 +90,8 @@ def scheduler_side(model: Path, extra: dict[str, Any]) -> Any:
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvgraftConnector", kv_role="kv_both",
             kv_connector_module_path="kvgraft.integrations.vllm",
-            kv_connector_extra_config={"repository": REPO, **extra}))
+            kv_connector_extra_config={"repository": REPO, "restore_when": "always",
+                                       **extra}))
     return KvgraftConnector(config, KVConnectorRole.SCHEDULER)
 
 

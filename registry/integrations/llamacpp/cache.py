@@ -13,6 +13,13 @@ then the graft is opened under the policy and read with every byte verified, and
 the context state `Llama.load_state` takes. A new state is queued for publishing on one
 background thread (bounded: when full it is dropped and counted), never on the request.
 
+A restore happens only when it pays (`restore_when = "faster"`, the default): the lookup
+thread estimates the restore (the graft's blobs the machine cache lacks at the store's
+measured speed, plus verifying what it holds) against computing the tokens it saves at the
+prefill rate llama.cpp measured for the prompts it computed (its `t_p_eval`/`n_p_eval`
+counters), with kvgraft.integrations.restorecost; a slower restore is skipped, counted as
+`skipped.slower`, and the prompt computed.
+
 Nothing the registry does can fail a completion or hand llama.cpp wrong KV: a lookup that
 raises (a corrupt blob, an unreachable store, a refused graft) or runs past
 `lookup_timeout` is logged and counted, and the prompt is computed as without a cache.
@@ -25,6 +32,7 @@ import os
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -39,13 +47,22 @@ from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IncompatibleModel, IntegrityError, QuotaExceeded, UsageError
 from kvgraft.formats.chunks import DEFAULT_CHUNK_TOKENS
+from kvgraft.formats.manifest import BlobRef
 from kvgraft.integrations.background import Background, Counters
 from kvgraft.integrations.llamacpp.engine import LlamaModel
 from kvgraft.integrations.llamacpp.graft import load_graft, write_graft
 from kvgraft.integrations.llamacpp.state import build_seq_state, kv_tensors, parse_seq_state
+from kvgraft.integrations.restorecost import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    Estimate,
+    RestoreCost,
+    check_rate,
+    check_restore_when,
+)
 from kvgraft.provenance import PolicyRefused
 from kvgraft.reference import Reference
 from kvgraft.services.match import match
+from kvgraft.transfer.pull import Fetcher
 from kvgraft.transfer.push import PushOptions
 
 log = logging.getLogger("kvgraft.llamacpp.cache")
@@ -54,6 +71,14 @@ T = TypeVar("T")
 
 class LookupTimeout(Exception):
     pass
+
+
+class RestoreSlower(Exception):
+    """Restoring the prefix is estimated slower than computing it."""
+
+    def __init__(self, estimate: Estimate) -> None:
+        super().__init__(estimate.describe())
+        self.estimate = estimate
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +90,15 @@ class CacheSettings:
     restore: bool = True
     queue_size: int = 4  # states waiting to be published (each holds the context state)
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    # "faster": restore only when estimated faster than computing the prompt
+    # (kvgraft.integrations.restorecost); "always": whenever the registry has a prefix
+    restore_when: str = "faster"
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S  # until llama.cpp measured
 
     def __post_init__(self) -> None:
         Reference(self.repository, tag="latest")  # refuses an invalid repository name
+        check_restore_when(self.restore_when)
+        check_rate("prefill_tokens_per_s", self.prefill_tokens_per_s)
         if not self.lookup_timeout > 0:
             raise UsageError("lookup_timeout must be a positive number of seconds")
         if self.queue_size < 1 or self.min_tokens < 1:
@@ -126,6 +157,8 @@ class RegistryCache(BaseLlamaCache):
         if settings is not None and settings.repository != repository:
             raise UsageError("repository and settings.repository differ")
         self.counters = Counters()
+        self.cost = RestoreCost(self.settings.restore_when, self.settings.prefill_tokens_per_s)
+        self._perf = self._prompt_evals()
         self._published_bytes = 0
         self._bg = Background("kvgraft-llamacpp", self.settings.queue_size, self.counters, log)
 
@@ -136,6 +169,35 @@ class RegistryCache(BaseLlamaCache):
     def close(self, timeout: float = 300.0) -> None:
         """Publish what is queued (up to `timeout` seconds), then stop."""
         self._bg.close(timeout)
+
+    # --- restore cost ---------------------------------------------------------------------
+
+    def _prompt_evals(self) -> tuple[int, float]:
+        """(prompt tokens, seconds) llama.cpp has evaluated in batches in this context."""
+        import llama_cpp
+
+        ctx: Any = getattr(getattr(self.lm.llm, "_ctx", None), "ctx", None)
+        if ctx is None:
+            return 0, 0.0
+        perf = llama_cpp.llama_perf_context(ctx)
+        return int(perf.n_p_eval), float(perf.t_p_eval_ms) / 1000.0
+
+    def measure_prefill(self) -> None:
+        """Take the prompts llama.cpp computed since last asked into the prefill rate."""
+        tokens, seconds = now = self._prompt_evals()
+        dt, ds = tokens - self._perf[0], seconds - self._perf[1]
+        self._perf = now
+        if dt > 0:
+            self.cost.prefill.observe(dt, ds)
+
+    def _fetch(self, blobs: list[BlobRef]) -> None:
+        """Fetch `blobs` into the machine cache, each fetch measuring the store."""
+        fetcher = Fetcher(self.registry.store, self.registry.cache)
+        for ref in blobs:
+            if not self.registry.cache.has(ref.digest):
+                t0 = time.perf_counter()
+                if fetcher.get(ref)[1]:
+                    self.cost.store.observe(ref.size, 1, time.perf_counter() - t0)
 
     # --- lookup ---------------------------------------------------------------------------
 
@@ -148,8 +210,25 @@ class RegistryCache(BaseLlamaCache):
         if found is None or found.length <= in_context:
             return None
         name = found.references[0].rsplit(":", 1)[0] if found.references else None
+        manifest = self.registry.manifest(found.digest)
+        blobs = [manifest.header, manifest.tokens,
+                 *(BlobRef(c.digest, c.size) for c in manifest.chunks)]
+        lacking = [b for b in blobs if not self.registry.cache.has(b.digest)]
+        missing_bytes = sum(b.size for b in lacking)
+        estimate = self.cost.estimate(min(found.length, len(key)) - in_context,
+                                      [b.size for b in lacking],
+                                      sum(b.size for b in blobs) - missing_bytes)
+        if not estimate.restores:
+            if self.cost.probe_due():  # measure the store again, off the completion
+                self._bg.submit("probe", lambda: self._fetch(lacking))
+            raise RestoreSlower(estimate)
+        t0 = time.perf_counter()
         graft = load_graft(self.registry, self.lm,
                            Reference(name or self.settings.repository, digest=found.digest))
+        if lacking:  # the whole load, verifying included: what the estimate stands for
+            self.cost.store.observe(missing_bytes, len(lacking), time.perf_counter() - t0)
+        log.info("kvgraft: restoring %d prompt tokens from %s (%s)",
+                 found.length - in_context, found.digest, estimate.describe())
         n = min(found.length, graft.token_count)
         if list(graft.token_ids[:n]) != list(key[:n]):
             raise IntegrityError(f"graft {found.digest} does not hold the matched tokens")
@@ -167,11 +246,16 @@ class RegistryCache(BaseLlamaCache):
         if not self.settings.restore or len(ids) < self.settings.min_tokens:
             raise KeyError("not looked up")
         self.counters.add("lookups")
+        self.measure_prefill()
         try:
             llm = self.lm.llm
             in_context = Llama.longest_token_prefix(llm._input_ids.tolist(), ids)
             args = (ids, in_context, len(llm.input_ids), llm.n_vocab(), llm._seed)
             state = _within(self.settings.lookup_timeout, lambda: self._state(*args))
+        except RestoreSlower as e:
+            self.counters.add("skipped.slower")
+            log.info("kvgraft: computing the prompt, restoring would be slower: %s", e)
+            raise KeyError("restoring is slower") from e
         except Exception as e:  # never fail the completion: it computes its prompt
             reason = fallback_reason(e)
             self.counters.add(f"fallback.{reason}")
@@ -200,6 +284,7 @@ class RegistryCache(BaseLlamaCache):
     # --- publish --------------------------------------------------------------------------
 
     def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
+        self.measure_prefill()  # llama-cpp-python hands the state after each completion
         if not self.settings.publish or value.n_tokens < self.settings.min_tokens:
             return
         # the state's bytes are immutable and its ids a copy: safe to hand to the thread

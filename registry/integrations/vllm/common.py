@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvgraft.client import Registry
 from kvgraft.errors import IntegrityError, RegistryError
 from kvgraft.integrations.background import Background, Counters
+from kvgraft.integrations.restorecost import RestoreCost
 from kvgraft.integrations.vllm.identity import EngineIdentity, check_served, engine_identity
 from kvgraft.integrations.vllm.keying import Keys, RequestKey, salt_key
 from kvgraft.integrations.vllm.store import (
@@ -81,6 +82,9 @@ class Context:
         self.side = side
         self.settings = Settings.parse(dict(ktc.kv_connector_extra_config or {}))
         self.counters = Counters()
+        # whether a restore pays (the scheduler side's lookups decide, and measure)
+        self.cost = RestoreCost(self.settings.restore_when,
+                                self.settings.prefill_tokens_per_s)
         self.block = int(vllm_config.cache_config.block_size)
         self.chunk = aligned_chunk_tokens(self.settings.chunk_tokens, self.block)
         self.restore = (ktc.is_kv_consumer if self.settings.restore is None

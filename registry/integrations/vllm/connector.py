@@ -145,6 +145,8 @@ class KvgraftConnector(KVConnectorBase_V1):
     # --- vLLM's metrics (kvgraft.integrations.vllm.stats) -------------------------------
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.connector_scheduler is not None:  # asked once per step's output
+            self.connector_scheduler.step_done()
         return self._stats.collect()
 
     @classmethod

@@ -10,6 +10,14 @@ The lookup and that fetch run on a lookup thread, never on vLLM's scheduler thre
 they answer, the connector tells vLLM "not known yet" (None) and the scheduler keeps serving
 the other requests and asks again on its next step; a lookup that has not answered within
 `lookup_timeout` seconds is given up and the request computes.
+
+Before the fetch, the lookup thread decides whether the restore pays
+(kvgraft.integrations.restorecost): with `restore_when = "faster"`, a restore estimated
+slower than computing the tokens it saves is skipped (counted as `skipped.slower`) and the
+request computes its prefill. The figures are measured here: the store's from the chunks
+fetched, the engine's prefill rate from the steps vLLM runs (from the end of a step's
+scheduling, or the previous step's output if later, to its output; a step without prompt
+tokens measures the per-step overhead).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +44,7 @@ from kvgraft.integrations.vllm.store import (
     RestorePlan,
     check_policy,
     lookup,
+    missing,
     plan_restore,
     prefetch,
 )
@@ -47,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvgraft")
 LOOKUP_THREADS = 2  # concurrent lookups; more requests queue behind them
 RECENT_GRAFTS = 16  # grafts remembered for prompts that repeat a prefix (no catalog query)
+STEPS_IN_FLIGHT = 8  # steps scheduled and not yet answered, timed for the prefill rate
 
 Found = tuple[Manifest, int, bool]  # (graft, prompt tokens it covers, cross-engine?)
 
@@ -119,6 +129,16 @@ class RecentGrafts:
             self._entries.pop(f"{found[0].digest}:{found[1]}", None)
 
 
+def prompt_tokens(scheduler_output: SchedulerOutput) -> int:
+    """The prompt tokens a step computes: all of a new request's, and a running request's
+    when more than one (a prompt's next chunk; one is a decode)."""
+    counts = scheduler_output.num_scheduled_tokens
+    new = sum(counts.get(r.req_id, 0) for r in scheduler_output.scheduled_new_reqs)
+    running = sum(n for r in scheduler_output.scheduled_cached_reqs.req_ids
+                  if (n := counts.get(r, 0)) > 1)
+    return new + running
+
+
 class KvgraftConnectorScheduler:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -131,6 +151,9 @@ class KvgraftConnectorScheduler:
         self._keys: dict[str, RequestKey | None] = {}
         self._need_load: dict[str, tuple[RestorePlan, int]] = {}
         self._pending: dict[str, _Pending] = {}
+        # (time.monotonic() at the end of scheduling, prompt tokens) of each step in flight
+        self._steps: deque[tuple[float, int | None]] = deque(maxlen=STEPS_IN_FLIGHT)
+        self._step_done = float("-inf")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
                                    ) -> tuple[int | None, bool]:
@@ -229,8 +252,8 @@ class KvgraftConnectorScheduler:
             if found is None or not ctx.restore or end <= local:
                 return None, covered, key
             digest = str(found[0].digest)
-            plan = self._prepare(rid, ids, found, end, t0, recalled is not None)
-            if recalled is None:  # only a graft the policy and fetch accepted
+            plan = self._prepare(rid, ids, found, end, local, t0, recalled is not None)
+            if recalled is None:  # only a graft the policy (and fetch) accepted
                 self.recent.remember(ident.identity, found, ids)
             return plan, covered, key
         except Exception as e:
@@ -239,25 +262,57 @@ class KvgraftConnectorScheduler:
             ctx.fallback(rid, digest, e)
             return None, 0, key
 
-    def _prepare(self, rid: str, ids: list[int], found: Found, end: int, t0: float,
-                 recalled: bool) -> RestorePlan:
+    def _prepare(self, rid: str, ids: list[int], found: Found, end: int, local: int,
+                 t0: float, recalled: bool) -> RestorePlan | None:
         """The restore of `found`'s first `end` tokens, once the registry's policy accepts
-        the graft and its chunks are in the machine cache, each verified."""
-        registry = self.ctx.registry
+        the graft and its chunks are in the machine cache, each verified; None when
+        computing the `end - local` tokens it saves is estimated faster."""
+        ctx = self.ctx
+        registry = ctx.registry
         assert registry is not None
         manifest, covered, cross = found
         t1 = time.perf_counter()
-        check_policy(registry, self.ctx.repository, manifest.digest, manifest)
+        check_policy(registry, ctx.repository, manifest.digest, manifest)
         t2 = time.perf_counter()
         plan = plan_restore(manifest, end, covered, cross)
-        fetched = prefetch(registry, plan)
+        lacking, cached = missing(registry, plan)
+        estimate = ctx.cost.estimate(end - local, lacking, cached)
+        if not estimate.restores:
+            ctx.counters.add("skipped.slower")
+            log.info("kvgraft: request %s computes its prefill, restoring %d tokens from %s "
+                     "would be slower: %s", rid, end - local, manifest.digest,
+                     estimate.describe())
+            if ctx.cost.probe_due():  # measure the store again, off the request
+                ctx.bg.submit("probe", lambda: self._probe(plan))
+            return None
+        fetched = prefetch(registry, plan, ctx.cost.store.observe)
         t3 = time.perf_counter()
         log.info("kvgraft: request %s restores %d of %d prompt tokens from %s%s "
-                 "(lookup %.4f s, policy %.4f s, fetch %.4f s, %d bytes fetched%s)",
+                 "(lookup %.4f s, policy %.4f s, fetch %.4f s, %d bytes fetched%s; "
+                 "estimated %s)",
                  rid, end, len(ids), manifest.digest, " (cross-engine)" if cross else "",
                  t1 - t0, t2 - t1, t3 - t2, fetched,
-                 ", a recent graft: no catalog query" if recalled else "")
+                 ", a recent graft: no catalog query" if recalled else "",
+                 estimate.describe())
         return plan
+
+    def _probe(self, plan: RestorePlan) -> None:
+        registry = self.ctx.registry
+        if registry is not None:
+            fetched = prefetch(registry, plan, self.ctx.cost.store.observe)
+            log.info("kvgraft: probed the store: %d bytes fetched, now %.0f bytes/s, "
+                     "%.4f s a request", fetched, self.ctx.cost.store.bytes_per_s or 0.0,
+                     self.ctx.cost.store.latency or 0.0)
+
+    def step_done(self) -> None:
+        """vLLM answered the oldest step in flight: its prompt tokens and time measure the
+        engine's prefill rate (a step without any, its per-step overhead)."""
+        now = time.monotonic()
+        if self._steps:
+            scheduled, tokens = self._steps.popleft()
+            if tokens is not None:  # None: a step that computed nothing
+                self.ctx.cost.prefill.observe(tokens, now - max(scheduled, self._step_done))
+        self._step_done = now
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         plan = self._plans.get(request.request_id)
@@ -278,6 +333,8 @@ class KvgraftConnectorScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             self._cached_step(meta, scheduler_output, i, rid)
+        self._steps.append((time.monotonic(), prompt_tokens(scheduler_output)
+                            if scheduler_output.total_num_scheduled_tokens else None))
         return meta
 
     def _hold_for_publish(self, rid: str, ids: list[int], blocks: list[int]) -> None:

@@ -15,6 +15,9 @@ them to the Prometheus logger, which records them through `KvgraftPromMetrics` a
   vllm:kvgraft_restores_total          restores written into vLLM's cache
   vllm:kvgraft_restored_tokens_total   tokens they held
   vllm:kvgraft_fallbacks_total{reason} restores given up: the request computed its prefill
+  vllm:kvgraft_skipped_total{reason}   requests not restored by choice: `slower` (restoring
+                                       was estimated slower than the prefill), or neither
+                                       restored nor published (`skipped.*` of keying)
   vllm:kvgraft_publishes_total{outcome} queued, stored, dropped (queue full), failed
   vllm:kvgraft_restore_seconds         a restore's time in the worker (histogram)
 
@@ -143,6 +146,9 @@ class KvgraftPromMetrics(KVConnectorPromMetrics):
         }
         self.fallbacks = counter("fallbacks", "kvgraft restores given up (the request "
                                  "computed its prefill), by reason.", "reason")
+        self.skipped = counter("skipped", "Requests kvgraft chose not to restore, by reason "
+                               "(slower: restoring was estimated slower than computing).",
+                               "reason")
         self.publishes = counter("publishes", "kvgraft publishes, by outcome (queued, "
                                  "stored, dropped: queue full, failed).", "outcome")
         histogram: Any = self._histogram_cls  # vLLM's class (prometheus_client's, or Ray's)
@@ -162,5 +168,7 @@ class KvgraftPromMetrics(KVConnectorPromMetrics):
                 self.publishes.labels(*labels, PUBLISH_OUTCOMES[name]).inc(n)
             elif name.startswith("fallback."):
                 self.fallbacks.labels(*labels, name.removeprefix("fallback.")).inc(n)
+            elif name.startswith("skipped."):
+                self.skipped.labels(*labels, name.removeprefix("skipped.")).inc(n)
         for value in dict(transfer_stats_data.get(SAMPLES, {})).get(RESTORE_SECONDS, []):
             self.seconds.labels(*labels).observe(float(value))

@@ -8,7 +8,8 @@ import os
 import re
 import struct
 import tempfile
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,11 @@ from kvgraft.errors import IncompatibleModel, UsageError
 from kvgraft.formats.chunks import DEFAULT_CHUNK_TOKENS
 from kvgraft.formats.kvfile import RawTensor, write_kvfile
 from kvgraft.formats.manifest import BlobRef, Manifest
+from kvgraft.integrations.restorecost import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    check_rate,
+    check_restore_when,
+)
 from kvgraft.integrations.vllm.identity import EngineIdentity
 from kvgraft.reference import Reference
 from kvgraft.services.match import match
@@ -32,7 +38,8 @@ log = logging.getLogger("vllm.kvgraft")
 DEFAULT_MEMORY_CACHE_MB = 512
 _SETTINGS = ("home", "catalog_url", "blob_url", "cache_dir", "remote", "repository",
              "chunk_tokens", "publish", "restore", "allow_cross_engine", "queue_size",
-             "min_tokens", "lookup_timeout", "memory_cache_mb", "restore_from", "salt_key")
+             "min_tokens", "lookup_timeout", "memory_cache_mb", "restore_from", "salt_key",
+             "restore_when", "prefill_tokens_per_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,11 @@ class Settings:
     restore_from: tuple[str, ...] = ()
     # HMAC key of cache_salt digests (keying.salt_key); a secret, never shown
     salt_key: str | None = field(default=None, repr=False)
+    # "faster": restore only when the estimate says it beats computing the prefill
+    # (kvgraft.integrations.restorecost); "always": whenever the registry has a prefix
+    restore_when: str = "faster"
+    # the prefill rate assumed until the engine computed a prompt
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> Settings:
@@ -82,7 +94,10 @@ class Settings:
                    extra.get("restore"), bool(extra.get("allow_cross_engine", False)),
                    int(extra.get("queue_size", 8)), int(extra.get("min_tokens", 0)),
                    timeout, memory, _patterns(extra.get("restore_from", ())),
-                   _secret(extra.get("salt_key")))
+                   _secret(extra.get("salt_key")),
+                   check_restore_when(extra.get("restore_when", "faster")),
+                   check_rate("prefill_tokens_per_s",
+                              extra.get("prefill_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S)))
 
     def scope(self, repository: str) -> RepositoryScope:
         return RepositoryScope(self.restore_from or (repository,))
@@ -181,15 +196,33 @@ def plan_restore(manifest: Manifest, end: int, covered: int, cross: bool) -> Res
     return RestorePlan(str(manifest.digest), end, chunks, cross, covered)
 
 
-def prefetch(registry: Registry, plan: RestorePlan) -> int:
+def missing(registry: Registry, plan: RestorePlan) -> tuple[list[int], int]:
+    """(sizes of the plan's chunks the machine cache lacks, bytes of those it holds)."""
+    lacking: list[int] = []
+    cached = 0
+    for _, _, digest, size in plan.chunks:
+        if registry.cache.has(Digest.parse(digest)):
+            cached += size
+        else:
+            lacking.append(size)
+    return lacking, cached
+
+
+def prefetch(registry: Registry, plan: RestorePlan,
+             observe: Callable[[int, int, float], None] | None = None) -> int:
     """Bring the plan's chunks into the machine cache, each verified, kept decoded (a
-    restore then only hashes them); bytes fetched."""
+    restore then only hashes them); bytes fetched. `observe(bytes, 1, seconds)` measures
+    each fetch from the store (its decoded bytes, as a restore's estimate counts them)."""
     fetcher = Fetcher(registry.store, registry.cache, keep_decoded=True)
     fetched = 0
     for _, _, digest, size in plan.chunks:
         d = Digest.parse(digest)
         if not registry.cache.has(d):
-            fetched += fetcher.get(BlobRef(d, size))[1]
+            t0 = time.perf_counter()
+            got = fetcher.get(BlobRef(d, size))[1]
+            if got and observe is not None:
+                observe(size, 1, time.perf_counter() - t0)
+            fetched += got
     return fetched
 
 

@@ -1,0 +1,234 @@
+"""Whether restoring a prefix pays: its estimated time against computing it.
+
+A restore is worth doing only when it is faster than the prefill it replaces. Its cost is
+what the machine cache lacks, fetched from the store, plus verifying and copying every
+byte; the prefill's is the tokens it saves at the rate the engine computes prompts:
+
+    restore_s = missing_blobs * latency + missing_bytes / store_rate + bytes / LOCAL_RATE
+    prefill_s = tokens / prefill_rate
+
+and the request restores when `restore_s <= prefill_s` (with `restore_when = "always"` it
+restores whatever the figures). The figures are measured in the process, from what it does:
+
+- `StoreSpeed`: each fetch from the store (bytes, requests, seconds) updates exponentially
+  weighted estimates of the store's per-request latency and its bytes/s. Until the first
+  fetch is measured the store's speed is unknown and a restore goes ahead: it measures it.
+- `PrefillSpeed`: each prompt the engine computes (tokens, seconds) updates an exponentially
+  weighted estimate of seconds per prompt token (weighted by tokens); a step that computes
+  no prompt (a decode step) measures the per-step overhead, taken off a prompt's time. Until
+  the first prompt is measured, `DEFAULT_PREFILL_TOKENS_PER_S` (or the engine's setting).
+
+A store that gets slower turns restores into computes; while restores are skipped nothing
+fetches, so at most once per `probe_interval` a skipped restore's chunks are fetched in the
+background instead (`RestoreCost.probe_due`): the store is measured again, and the prefix
+is then in the machine cache for the next request. One implementation for every engine
+(the vLLM connector, the llama.cpp prompt cache); pure logic, no engine imported.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvgraft.errors import UsageError
+
+RESTORE_WHEN = ("faster", "always")
+DEFAULT_PREFILL_TOKENS_PER_S = 2000.0  # before the engine computed any prompt
+LOCAL_BYTES_PER_S = 1e9  # verifying and copying bytes the machine cache holds
+FIRST_LATENCY_S = 0.005  # per request, for splitting the first fetch measured
+ALPHA = 0.3  # weight of a new measurement
+PROBE_INTERVAL_S = 60.0
+PREFILL_MIN_TOKENS = 2  # fewer: the step's time is its overhead
+
+
+def check_restore_when(value: object) -> str:
+    if value not in RESTORE_WHEN:
+        raise UsageError(f"restore_when must be one of {', '.join(RESTORE_WHEN)}, "
+                         f"not {value!r}")
+    return str(value)
+
+
+def check_rate(name: str, value: object) -> float:
+    try:
+        rate = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        rate = float("nan")
+    if isinstance(value, bool) or not 0 < rate < float("inf"):
+        raise UsageError(f"{name} must be a positive number, not {value!r}")
+    return rate
+
+
+def _ewma(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else old + alpha * (new - old)
+
+
+class StoreSpeed:
+    """The store's per-request latency (seconds) and bytes/s, from measured fetches.
+
+    Fetches of varied sizes are fitted (an exponentially weighted least-squares line of
+    seconds against bytes, per request: its intercept is the latency, its slope the time
+    per byte); while the sizes vary too little to tell the two apart, each measurement
+    splits its time with the estimates it had (the time beyond the transfer is latency,
+    the time beyond the latency, at least half, transfer), which keeps the estimate for
+    the sizes measured equal to their time."""
+
+    def __init__(self, alpha: float = ALPHA) -> None:
+        self.alpha = alpha
+        self.latency: float | None = None
+        self.bytes_per_s: float | None = None
+        self.observed_at: float | None = None  # time.monotonic() of the last fetch
+        self._sums = [0.0] * 5  # weighted: 1, x, y, x*x, x*y (x bytes, y seconds a request)
+        self._lock = threading.Lock()
+
+    def observe(self, nbytes: int, requests: int, seconds: float) -> None:
+        """`requests` fetches of `nbytes` in all took `seconds`."""
+        if requests <= 0 or nbytes < 0 or not seconds > 0:
+            return
+        with self._lock:
+            self.observed_at = time.monotonic()
+            x, y = max(nbytes, 1) / requests, seconds / requests
+            keep = 1.0 - self.alpha
+            for i, v in enumerate((1.0, x, y, x * x, x * y)):
+                self._sums[i] = self._sums[i] * keep + v
+            if self.latency is None or self.bytes_per_s is None:
+                # the first: transfer, but for a small latency (at most half the time)
+                self.latency = min(FIRST_LATENCY_S, y / 2)
+                self.bytes_per_s = x / (y - self.latency)
+                return
+            fitted = self._fit()
+            if fitted is not None:
+                self.latency, self.bytes_per_s = fitted
+                return
+            lat = max(0.0, y - x / self.bytes_per_s)
+            rate = x / max(y - self.latency, y / 2)
+            self.latency = _ewma(self.latency, min(lat, y), self.alpha)
+            self.bytes_per_s = _ewma(self.bytes_per_s, rate, self.alpha)
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(latency, bytes/s) of the weighted line, None while sizes barely vary."""
+        w, sx, sy, sxx, sxy = self._sums
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if not var > (0.1 * mx) ** 2:
+            return None
+        slope = (sxy / w - mx * my) / var
+        latency = my - slope * mx
+        if slope <= 0 or latency < 0:
+            return None
+        return latency, 1.0 / slope
+
+    def seconds(self, nbytes: int, requests: int) -> float | None:
+        """Estimated seconds to fetch `nbytes` in `requests`; None: not measured yet."""
+        with self._lock:
+            if self.latency is None or self.bytes_per_s is None:
+                return None if requests else 0.0
+            return requests * self.latency + nbytes / self.bytes_per_s
+
+class PrefillSpeed:
+    """Seconds per prompt token the engine computes, from the prompts it computed: the
+    ratio of exponentially weighted sums of their seconds and their tokens, so a long
+    prompt weighs more than the few tokens computed after a restore (whose time is mostly
+    the engine's per-step overhead)."""
+
+    def __init__(self, tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+                 alpha: float = ALPHA) -> None:
+        self.alpha = alpha
+        self.default = 1.0 / tokens_per_s
+        self.overhead: float | None = None  # a step's seconds besides its prompt tokens
+        self._seconds = self._tokens = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def measured(self) -> bool:
+        return self._tokens > 0
+
+    @property
+    def per_token(self) -> float:
+        with self._lock:
+            return self._seconds / self._tokens if self._tokens > 0 else self.default
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1.0 / self.per_token
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step (or a prompt) that computed `tokens` prompt tokens took `seconds`."""
+        if not seconds > 0 or tokens < 0:
+            return
+        with self._lock:
+            if tokens < PREFILL_MIN_TOKENS:
+                self.overhead = _ewma(self.overhead, seconds, self.alpha)
+                return
+            keep = 1.0 - self.alpha
+            self._seconds = self._seconds * keep + max(seconds - (self.overhead or 0.0),
+                                                       seconds / 2)
+            self._tokens = self._tokens * keep + tokens
+
+    def seconds(self, tokens: int) -> float:
+        return tokens * self.per_token
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """A restore's figures and the decision they make."""
+
+    tokens: int  # prompt tokens the restore saves computing
+    missing_bytes: int  # what the machine cache lacks, fetched from the store
+    missing_blobs: int
+    cached_bytes: int  # in the machine cache: verified and copied only
+    restore_s: float | None  # None: the store's speed is not measured yet
+    prefill_s: float
+    when: str
+
+    @property
+    def restores(self) -> bool:
+        return (self.when == "always" or self.restore_s is None
+                or self.restore_s <= self.prefill_s)
+
+    def describe(self) -> str:
+        restore = "unknown" if self.restore_s is None else f"{self.restore_s:.4f} s"
+        return (f"restore {restore} ({self.missing_bytes} bytes in {self.missing_blobs} "
+                f"blobs from the store, {self.cached_bytes} cached) vs prefill "
+                f"{self.prefill_s:.4f} s ({self.tokens} tokens)")
+
+
+class RestoreCost:
+    """The estimator an engine integration holds: the store's and the engine's measured
+    speeds, and the decision for each restore (thread-safe)."""
+
+    def __init__(self, when: str = "faster",
+                 prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+                 local_bytes_per_s: float = LOCAL_BYTES_PER_S,
+                 probe_interval: float = PROBE_INTERVAL_S) -> None:
+        self.when = check_restore_when(when)
+        self.store = StoreSpeed()
+        self.prefill = PrefillSpeed(prefill_tokens_per_s)
+        self.local_bytes_per_s = local_bytes_per_s
+        self.probe_interval = probe_interval
+        self._probed = float("-inf")
+        self._lock = threading.Lock()
+
+    def estimate(self, tokens: int, missing: Iterable[int], cached_bytes: int) -> Estimate:
+        """The restore of `tokens` prompt tokens from blobs of sizes `missing` the machine
+        cache lacks and `cached_bytes` it holds."""
+        sizes = list(missing)
+        nbytes = sum(sizes)
+        fetch = self.store.seconds(nbytes, len(sizes))
+        local = (nbytes + cached_bytes) / self.local_bytes_per_s
+        return Estimate(tokens, nbytes, len(sizes), cached_bytes,
+                        None if fetch is None else fetch + local,
+                        self.prefill.seconds(tokens), self.when)
+
+    def probe_due(self) -> bool:
+        """Whether a skipped restore's blobs should be fetched in the background now (at
+        most once per `probe_interval`, and not while fetches keep being measured)."""
+        now = time.monotonic()
+        last = self.store.observed_at
+        with self._lock:
+            if now - self._probed < self.probe_interval or (
+                    last is not None and now - last < self.probe_interval):
+                return False
+            self._probed = now
+            return True

@@ -1,0 +1,165 @@
+"""The restore-cost estimator: a restore happens only when it beats computing the prefill."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvgraft.errors import UsageError
+from kvgraft.integrations.restorecost import (
+    PrefillSpeed,
+    RestoreCost,
+    StoreSpeed,
+    check_rate,
+    check_restore_when,
+)
+
+KV_PER_TOKEN = 23_040  # SmolLM2-135M, bf16: 30 layers, K and V, 3 heads of 64
+CHUNK = 256
+
+
+def chunks(tokens: int) -> list[int]:
+    """Chunk sizes of a prefix of `tokens` tokens."""
+    full, rest = divmod(tokens, CHUNK)
+    return [CHUNK * KV_PER_TOKEN] * full + ([rest * KV_PER_TOKEN] if rest else [])
+
+
+def measured(store_bytes_per_s: float, latency: float, prefill_tokens_per_s: float,
+             when: str = "faster") -> RestoreCost:
+    """An estimator that measured a store and an engine at these speeds."""
+    cost = RestoreCost(when)
+    for _ in range(20):
+        for size in (CHUNK * KV_PER_TOKEN, 16 * KV_PER_TOKEN):
+            cost.store.observe(size, 1, latency + size / store_bytes_per_s)
+        cost.prefill.observe(0, 0.01)  # a decode step: the overhead
+        cost.prefill.observe(512, 0.01 + 512 / prefill_tokens_per_s)
+    return cost
+
+
+def decide(cost: RestoreCost, tokens: int, cached: bool = False) -> bool:
+    sizes = chunks(tokens)
+    if cached:
+        return cost.estimate(tokens, [], sum(sizes)).restores
+    return cost.estimate(tokens, sizes, 0).restores
+
+
+def test_measured_speeds_converge() -> None:
+    cost = measured(100e6, 0.02, 1000)
+    assert cost.store.bytes_per_s == pytest.approx(100e6, rel=0.05)
+    assert cost.store.latency == pytest.approx(0.02, rel=0.1)
+    assert cost.prefill.tokens_per_s == pytest.approx(1000, rel=0.05)
+    assert cost.prefill.seconds(1000) == pytest.approx(1.0, rel=0.05)
+
+
+def test_short_prefixes_compute_long_ones_restore() -> None:
+    # 1 Gbit/s with 20 ms a request, against 1000 prompt tokens/s: a chunk of 256 tokens
+    # costs 20 ms + 47 ms to fetch and 256 ms to compute, 16 tokens 20 ms + 3 ms vs 16 ms
+    cost = measured(125e6, 0.02, 1000)
+    assert not decide(cost, 16)
+    assert decide(cost, 256)
+    assert decide(cost, 4096)
+    estimate = cost.estimate(16, chunks(16), 0)
+    assert estimate.restore_s is not None and estimate.restore_s > estimate.prefill_s
+    assert "vs prefill" in estimate.describe()
+
+
+def test_slow_store_computes_but_a_cached_prefix_restores() -> None:
+    cost = measured(10e6, 0.005, 1000)  # 10 MB/s: 2.3 ms a token, prefill 1 ms
+    assert not decide(cost, 256)
+    assert not decide(cost, 4096)
+    assert decide(cost, 256, cached=True)
+    assert decide(cost, 16, cached=True)
+
+
+def test_store_getting_slower_flips_the_decision() -> None:
+    cost = measured(125e6, 0.002, 1000)
+    assert decide(cost, 1024)
+    size = CHUNK * KV_PER_TOKEN
+    for _ in range(10):  # now 5 MB/s
+        cost.store.observe(size, 1, 0.002 + size / 5e6)
+    assert not decide(cost, 1024)
+    for _ in range(10):  # and fast again
+        cost.store.observe(size, 1, 0.002 + size / 125e6)
+    assert decide(cost, 1024)
+
+
+def test_engine_getting_faster_flips_the_decision() -> None:
+    cost = measured(50e6, 0.002, 1000)
+    assert decide(cost, 1024)
+    for _ in range(10):
+        cost.prefill.observe(512, 0.01 + 512 / 20_000)
+    assert not decide(cost, 1024)
+
+
+def test_always_restores_and_unknown_store_restores_to_measure_it() -> None:
+    slow = measured(1e6, 0.1, 10_000, when="always")
+    assert decide(slow, 16)
+    fresh = RestoreCost()
+    estimate = fresh.estimate(16, [16 * KV_PER_TOKEN], 0)
+    assert estimate.restore_s is None and estimate.restores
+    assert "unknown" in estimate.describe()
+    # nothing to fetch: only the local copy counts, even before the store is measured
+    local = fresh.estimate(16, [], 16 * KV_PER_TOKEN)
+    assert local.restore_s is not None and local.restores
+
+
+def test_default_prefill_rate_until_measured() -> None:
+    p = PrefillSpeed(500.0)
+    assert not p.measured and p.seconds(1000) == pytest.approx(2.0)
+    p.observe(1, 0.5)  # too few tokens: an overhead, not a rate
+    assert not p.measured
+    p.observe(1000, 1.5)
+    assert p.measured and p.seconds(1000) == pytest.approx(1.0)
+
+
+def test_probe_due_once_per_interval() -> None:
+    cost = RestoreCost(probe_interval=3600)
+    assert cost.probe_due()
+    assert not cost.probe_due()
+    cost = RestoreCost(probe_interval=3600)
+    cost.store.observe(1000, 1, 0.01)  # a fetch was just measured: no probe needed
+    assert not cost.probe_due()
+
+
+def test_settings_are_checked() -> None:
+    assert check_restore_when("always") == "always"
+    with pytest.raises(UsageError):
+        check_restore_when("sometimes")
+    assert check_rate("x", "1500") == 1500.0
+    for bad in (0, -1, "fast", True, float("nan"), float("inf"), None):
+        with pytest.raises(UsageError):
+            check_rate("x", bad)
+    with pytest.raises(UsageError):
+        RestoreCost("never")
+
+
+@given(st.floats(1e5, 1e10), st.floats(0.0, 0.5), st.integers(1, 1 << 26))
+def test_repeated_fetches_predict_their_own_time(rate: float, latency: float,
+                                                 size: int) -> None:
+    """Fetches of one size, however the time splits into latency and transfer: the
+    estimate for that size converges to the time measured."""
+    s = StoreSpeed()
+    seconds = latency + size / rate
+    for _ in range(40):
+        s.observe(size, 1, seconds)
+    got = s.seconds(size, 1)
+    assert got is not None and got == pytest.approx(seconds, rel=0.02)
+
+
+@given(st.lists(st.tuples(st.integers(0, 1 << 24), st.integers(1, 8),
+                          st.floats(1e-6, 10.0)), max_size=30),
+       st.integers(0, 1 << 30), st.integers(0, 64))
+def test_estimates_are_finite_and_monotone(observations: list[tuple[int, int, float]],
+                                           nbytes: int, requests: int) -> None:
+    s = StoreSpeed()
+    for b, r, t in observations:
+        s.observe(b, r, t)
+    got = s.seconds(nbytes, requests)
+    if not any(t > 0 for _, _, t in observations):  # nothing measured
+        assert got == (None if requests else 0.0)
+        return
+    assert got is not None
+    assert 0 <= got < float("inf")
+    more = s.seconds(nbytes + 1000, requests + 1)
+    assert more is not None and more >= got
