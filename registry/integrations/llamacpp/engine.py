@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,8 @@ class LlamaModel:
     shape: Shape
     settings: Settings
     cache_dir: Path | None = None  # where the weights digest is cached
+    # the state bytes of the last restore, reused: fresh memory costs its page faults
+    scratch: bytearray = field(default_factory=bytearray, compare=False, repr=False)
 
     @property
     def identity(self) -> ModelIdentity:
@@ -182,7 +184,7 @@ def seq_state(lm: LlamaModel) -> bytearray:
     return buf
 
 
-def set_seq_state(lm: LlamaModel, state: bytearray, tokens: list[int]) -> None:
+def set_seq_state(lm: LlamaModel, state: bytearray | memoryview, tokens: list[int]) -> None:
     """Replace sequence 0 with `state` (a llama_state_seq_set_data buffer: header, then the
     state of `tokens`) and make llama-cpp-python's token bookkeeping agree, so the next
     eval continues after them."""

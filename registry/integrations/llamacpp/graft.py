@@ -148,7 +148,8 @@ class LlamaGraft:
         if not 0 < n <= self.token_count:
             raise UsageError(f"cannot restore {n} of {self.token_count} tokens")
         t0 = time.perf_counter()
-        state = build_seq_state(self.layers, n, lm.v_trans, prefix=api_header())
+        state = build_seq_state(self.layers, n, lm.v_trans, prefix=api_header(),
+                                into=lm.scratch)
         set_seq_state(lm, state, list(self.token_ids[:n]))
         return time.perf_counter() - t0
 
