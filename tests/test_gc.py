@@ -20,22 +20,12 @@ from kvgraft.cli.main import cli
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError
-from kvgraft.formats.kvfile import write_kvfile
 from kvgraft.services.backends import Direct
 from kvgraft.transfer.gc import GcResult
 from kvgraft.transfer.push import PushOptions, build_artifact
 from tests.support.harness import RegistryFactory, sql_catalog
-from tests.support.synthetic import synthetic_identity, synthetic_layers
+from tests.support.synthetic import stored, variant
 from tests.support.tampering import tamper
-
-
-def variant(path: Path, run: int, *, seed: int = 0, tokens: int = 600) -> Path:
-    """KV files of one seed differ only in their provenance (so in their header blob):
-    they share every chunk blob and the token blob."""
-    layers = synthetic_layers(2, 2, 16, tokens, seed=seed)
-    ids = [(seed * 7919 + i * 31) % 49152 for i in range(tokens)]
-    return write_kvfile(path, layers, ids, synthetic_identity(), model_name="synthetic",
-                        model_config={"model_type": "synthetic"}, provenance={"run": run})
 
 
 @pytest.fixture
@@ -45,10 +35,6 @@ def reg(make_registry: RegistryFactory, catalog_url: str,
     r = make_registry(catalog_url=catalog_url, blob_url=store_url)
     yield r
     r.close()
-
-
-def stored(r: Registry) -> set[Digest]:
-    return {b.digest for b in r.store.iter()}
 
 
 def intact(r: Registry, ref: str) -> bool:

@@ -25,7 +25,7 @@ from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound, QuotaExceeded
 from tests.support.harness import RegistryFactory, sql_catalog
 from tests.support.serve import kvgraft, make_token, running_server, server_env
-from tests.test_gc import stored, variant
+from tests.support.synthetic import stored, variant
 
 DAY = 86400.0
 

@@ -110,7 +110,7 @@ def enforce_quota(s: Session, repository: str, newcomer: str) -> list[Digest]:
                      .where(RepositoryQuotaRow.repository == repository))
     if limit is None:
         return []
-    held = held_bytes(s, repository)
+    held = before = held_bytes(s, repository)
     if held <= limit:
         return []
     ra = RepositoryArtifactRow
@@ -145,7 +145,7 @@ def enforce_quota(s: Session, repository: str, newcomer: str) -> list[Digest]:
         evicted.append(art)
     if held > limit:
         raise QuotaExceeded(
-            f"{repository} holds {held_bytes(s, repository)} bytes with its quota of {limit}: "
+            f"{repository} would hold {before} bytes with its quota of {limit}: "
             f"{newcomer} does not fit even with every unpinned artifact evicted",
             hint=f"raise the quota (`kvgraft quota set {repository} SIZE`) or unpin "
                  "artifacts there")

@@ -51,12 +51,12 @@ class Background:
     def __init__(self, name: str, size: int, counters: Counters,
                  logger: logging.Logger | None = None) -> None:
         self._log = logger or logging.getLogger("kvgraft.integrations")
-        self._q: queue.Queue[tuple[str, Callable[[], None]] | None] = queue.Queue(size)
+        self._q: queue.Queue[tuple[str, Callable[[], object]] | None] = queue.Queue(size)
         self._counters = counters
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, kind: str, job: Callable[[], None]) -> bool:
+    def submit(self, kind: str, job: Callable[[], object]) -> bool:
         try:
             self._q.put_nowait((kind, job))
         except queue.Full:

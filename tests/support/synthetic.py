@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvgraft.digest import Digest
 from kvgraft.formats.kvfile import RawTensor, write_kvfile
 from kvgraft.identity.model import ModelIdentity
+
+if TYPE_CHECKING:
+    from kvgraft.client import Registry
 
 DTYPES = ("BF16", "F16", "F32")
 
@@ -71,3 +75,17 @@ def write_synthetic(path: Path | str, *, num_layers: int = 4, kv_heads: int = 2,
                         model_config={"model_type": name, "num_hidden_layers": num_layers,
                                       "num_key_value_heads": kv_heads, "head_dim": head_dim},
                         provenance={"engine": {"name": "kvgraft.sample"}, "seed": seed})
+
+
+def variant(path: Path, run: int, *, seed: int = 0, tokens: int = 600) -> Path:
+    """KV files of one seed differ only in their provenance (so in their header blob):
+    they share every chunk blob and the token blob."""
+    layers = synthetic_layers(2, 2, 16, tokens, seed=seed)
+    ids = [(seed * 7919 + i * 31) % 49152 for i in range(tokens)]
+    return write_kvfile(path, layers, ids, synthetic_identity(), model_name="synthetic",
+                        model_config={"model_type": "synthetic"}, provenance={"run": run})
+
+
+def stored(r: Registry) -> set[Digest]:
+    """Every blob in the registry's store."""
+    return {b.digest for b in r.store.iter()}

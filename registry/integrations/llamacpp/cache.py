@@ -52,6 +52,7 @@ from kvgraft.integrations.background import Background, Counters
 from kvgraft.integrations.llamacpp.engine import LlamaModel
 from kvgraft.integrations.llamacpp.graft import load_graft, write_graft
 from kvgraft.integrations.llamacpp.state import build_seq_state, kv_tensors, parse_seq_state
+from kvgraft.integrations.prefetch import prefetch, split_cached
 from kvgraft.integrations.restorecost import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     Estimate,
@@ -62,7 +63,6 @@ from kvgraft.integrations.restorecost import (
 from kvgraft.provenance import PolicyRefused
 from kvgraft.reference import Reference
 from kvgraft.services.match import match
-from kvgraft.transfer.pull import Fetcher
 from kvgraft.transfer.push import PushOptions
 
 log = logging.getLogger("kvgraft.llamacpp.cache")
@@ -190,15 +190,6 @@ class RegistryCache(BaseLlamaCache):
         if dt > 0:
             self.cost.prefill.observe(dt, ds)
 
-    def _fetch(self, blobs: list[BlobRef]) -> None:
-        """Fetch `blobs` into the machine cache, each fetch measuring the store."""
-        fetcher = Fetcher(self.registry.store, self.registry.cache)
-        for ref in blobs:
-            if not self.registry.cache.has(ref.digest):
-                t0 = time.perf_counter()
-                if fetcher.get(ref)[1]:
-                    self.cost.store.observe(ref.size, 1, time.perf_counter() - t0)
-
     # --- lookup ---------------------------------------------------------------------------
 
     def _state(self, key: tuple[int, ...], in_context: int, rows: int, vocab: int,
@@ -213,14 +204,14 @@ class RegistryCache(BaseLlamaCache):
         manifest = self.registry.manifest(found.digest)
         blobs = [manifest.header, manifest.tokens,
                  *(BlobRef(c.digest, c.size) for c in manifest.chunks)]
-        lacking = [b for b in blobs if not self.registry.cache.has(b.digest)]
+        lacking, cached = split_cached(self.registry, blobs)
         missing_bytes = sum(b.size for b in lacking)
         estimate = self.cost.estimate(min(found.length, len(key)) - in_context,
-                                      [b.size for b in lacking],
-                                      sum(b.size for b in blobs) - missing_bytes)
+                                      [b.size for b in lacking], cached)
         if not estimate.restores:
             if self.cost.probe_due():  # measure the store again, off the completion
-                self._bg.submit("probe", lambda: self._fetch(lacking))
+                self._bg.submit("probe", lambda: prefetch(self.registry, lacking,
+                                                          self.cost.store.observe))
             raise RestoreSlower(estimate)
         t0 = time.perf_counter()
         graft = load_graft(self.registry, self.lm,

@@ -8,8 +8,7 @@ import os
 import re
 import struct
 import tempfile
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,8 @@ from kvgraft.errors import IncompatibleModel, UsageError
 from kvgraft.formats.chunks import DEFAULT_CHUNK_TOKENS
 from kvgraft.formats.kvfile import RawTensor, write_kvfile
 from kvgraft.formats.manifest import BlobRef, Manifest
+from kvgraft.integrations.prefetch import Observe, split_cached
+from kvgraft.integrations.prefetch import prefetch as fetch_blobs
 from kvgraft.integrations.restorecost import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     check_rate,
@@ -30,7 +31,6 @@ from kvgraft.integrations.vllm.identity import EngineIdentity
 from kvgraft.reference import Reference
 from kvgraft.services.match import match
 from kvgraft.services.prefixindex import RepositoryScope
-from kvgraft.transfer.pull import Fetcher
 from kvgraft.transfer.push import PushOptions
 
 log = logging.getLogger("vllm.kvgraft")
@@ -196,34 +196,20 @@ def plan_restore(manifest: Manifest, end: int, covered: int, cross: bool) -> Res
     return RestorePlan(str(manifest.digest), end, chunks, cross, covered)
 
 
+def chunk_refs(plan: RestorePlan) -> list[BlobRef]:
+    return [BlobRef(Digest.parse(digest), size) for _, _, digest, size in plan.chunks]
+
+
 def missing(registry: Registry, plan: RestorePlan) -> tuple[list[int], int]:
     """(sizes of the plan's chunks the machine cache lacks, bytes of those it holds)."""
-    lacking: list[int] = []
-    cached = 0
-    for _, _, digest, size in plan.chunks:
-        if registry.cache.has(Digest.parse(digest)):
-            cached += size
-        else:
-            lacking.append(size)
-    return lacking, cached
+    lacking, cached = split_cached(registry, chunk_refs(plan))
+    return [r.size for r in lacking], cached
 
 
-def prefetch(registry: Registry, plan: RestorePlan,
-             observe: Callable[[int, int, float], None] | None = None) -> int:
+def prefetch(registry: Registry, plan: RestorePlan, observe: Observe | None = None) -> int:
     """Bring the plan's chunks into the machine cache, each verified, kept decoded (a
-    restore then only hashes them); bytes fetched. `observe(bytes, 1, seconds)` measures
-    each fetch from the store (its decoded bytes, as a restore's estimate counts them)."""
-    fetcher = Fetcher(registry.store, registry.cache, keep_decoded=True)
-    fetched = 0
-    for _, _, digest, size in plan.chunks:
-        d = Digest.parse(digest)
-        if not registry.cache.has(d):
-            t0 = time.perf_counter()
-            got = fetcher.get(BlobRef(d, size))[1]
-            if got and observe is not None:
-                observe(size, 1, time.perf_counter() - t0)
-            fetched += got
-    return fetched
+    restore then only hashes them); bytes fetched."""
+    return fetch_blobs(registry, chunk_refs(plan), observe, keep_decoded=True)
 
 
 def event(registry: Registry, action: str, digest: str | None, outcome: str,
