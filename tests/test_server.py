@@ -139,14 +139,21 @@ def test_kvgraft_api_artifact_models_and_prefix_match(server: Server,
     raw = requests.get(f"{server.url}/v2/{TEAM}/blobs/{ids_layer['digest']}", headers=h).content
     ids = list(struct.unpack(f"<{len(raw) // 8}q", raw))
     model = {k: info["model"][k] for k in ("architecture", "tokenizer", "weights")}
-    q = json.dumps({"model": model, "tokens": [*ids[:200], -1, -2]})
-    found = requests.get(f"{server.url}/kvgraft/v1/match", params={"q": q}, headers=h).json()
+    query: dict[str, Any] = {"model": model, "tokens": [*ids[:200], -1, -2]}
+    found = requests.post(f"{server.url}/kvgraft/v1/match", json=query, headers=h).json()
     assert found["match"]["digest"] == info["digest"] and found["match"]["length"] == 200
+    # the GET form of earlier clients answers the same
+    q = json.dumps(query)
+    assert requests.get(f"{server.url}/kvgraft/v1/match", params={"q": q},
+                        headers=h).json() == found
     stranger = make_token(server.env, "stranger", "repository:nothing/*:pull")
-    hidden = requests.get(f"{server.url}/kvgraft/v1/match", params={"q": q},
-                          headers=_auth(stranger)).json()
+    hidden = requests.post(f"{server.url}/kvgraft/v1/match", json=query,
+                           headers=_auth(stranger)).json()
     assert hidden == {"match": None}
     bad = requests.get(f"{server.url}/kvgraft/v1/match", params={"q": "{"}, headers=h)
+    assert bad.status_code == 400
+    bad = requests.post(f"{server.url}/kvgraft/v1/match", data="{",
+                        headers={**h, "Content-Type": "application/json"})
     assert bad.status_code == 400
 
 

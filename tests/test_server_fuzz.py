@@ -178,6 +178,9 @@ def test_match_query_never_answers_500(client: tuple[TestClient, dict[str, str],
     def run(body: bytes) -> None:
         q = body.decode("utf-8", "surrogatepass") if body.isascii() else body.decode("latin-1")
         _ok(c.get(f"/kvgraft/v1/match?{_query({'q': q})}").status_code, f"match {q[:200]!r}")
+        _ok(c.post("/kvgraft/v1/match", content=body,
+                   headers={"Content-Type": "application/json"}).status_code,
+            f"match POST {body[:200]!r}")
 
     run()
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import requests
 
@@ -216,6 +217,39 @@ def test_match_searches_only_readable_repositories(world: World) -> None:
         assert (found and found["digest"]) == expect, patterns
     bad = json.dumps({"model": model, "tokens": ids, "repositories": "team/*"})
     assert world.get("a", f"{V1}/match", q=bad).status_code == 400
+
+
+def test_match_of_a_32k_token_prompt_is_a_bounded_post(world: World) -> None:
+    """A prompt as long as vLLM serves: the query travels as a POST body (a URL holds
+    ~7,500 tokens), through the client the connector uses; the body stays bounded."""
+    from kvgraft.identity.model import ModelIdentity
+    from kvgraft.remote.http import HttpRemote
+
+    ids = [int(t) for t in np.random.default_rng(32).integers(0, 49152, 32768)]
+    long = world.root / "long-32k.safetensors"
+    write_synthetic(long, num_layers=1, kv_heads=1, head_dim=8, token_ids=ids, seed=32)
+    digest = json.loads(world.cli("a", "push", str(long), "team/long32k:v1",
+                                  "--json"))["digest"]
+    model = _model_of(world, "a", "team/long32k:v1")
+    remote = HttpRemote(world.server.url, world.tokens["a"])
+    try:
+        found = remote.match(ModelIdentity.from_json(model), [*ids, 7, 8])
+        assert found is not None and found["digest"] == digest and found["length"] == 32768
+        scoped = remote.match(ModelIdentity.from_json(model), ids, ["other/*"])
+        assert scoped is None  # the scope still narrows a POSTed query
+    finally:
+        remote.close()
+    # what the POST replaces: the same query in a URL is refused before it is read
+    q = json.dumps({"model": model, "tokens": ids})
+    assert world.get("a", f"{V1}/match", q=q).status_code in (400, 414, 431)
+    r = world.post("a", f"{V1}/match", {"model": model, "tokens": ids[:5000]})
+    assert r.status_code == 200 and r.json()["match"]["length"] == 5000
+    r = world.post("a", f"{V1}/match", {"model": model, "tokens": ids},
+                   **{"Content-Type": "text/plain"})
+    assert r.status_code == 415  # a cross-site form cannot send it
+    for bad in ({"model": model, "tokens": [1.5]}, {"model": model}, [1, 2],
+                {"model": model, "tokens": ids, "repositories": "team/*"}):
+        assert world.post("a", f"{V1}/match", bad).status_code == 400, bad
 
 
 def test_match_names_only_readable_references(world: World) -> None:

@@ -63,10 +63,11 @@ class HttpRemote:
         self.transport.close()
 
     def send(self, method: str, path: str, body: Any = None, *,
-             data: Sequence[Buffer] | None = None, what: str) -> Any:
+             data: Sequence[Buffer] | None = None, what: str, safe: bool = False) -> Any:
         """One request with a JSON body (`body`) or raw bytes (`data`); the decoded JSON
         answer. A GET or PUT (an upload) is idempotent, so a broken connection retries it;
-        a POST is not retried (an untag or an attestation must not happen twice)."""
+        a POST is not retried (an untag or an attestation must not happen twice) unless it
+        only reads (`safe`)."""
         headers: dict[str, str] = {}
         payload: bytes | list[Buffer] | None = None
         if body is not None:
@@ -76,7 +77,7 @@ class HttpRemote:
             payload = list(data)  # re-iterable: a retry sends it again
             headers["Content-Type"] = "application/octet-stream"
         answer = self.transport.call(method, path, body=payload, headers=headers, what=what,
-                                     limit=MAX_ANSWER)
+                                     limit=MAX_ANSWER, safe=safe)
         try:
             return json.loads(answer or b"null")
         except ValueError:
@@ -92,8 +93,8 @@ class HttpRemote:
                                  "tokens": [int(t) for t in token_ids]}
         if repositories is not None:
             query["repositories"] = list(repositories)
-        q = urllib.parse.urlencode({"q": json.dumps(query)})
-        found = self.send("GET", f"/kvgraft/v1/match?{q}", what="prefix match")["match"]
+        found = self.send("POST", "/kvgraft/v1/match", body=query, what="prefix match",
+                          safe=True)["match"]
         return dict(found) if found else None
 
     def catalog(self) -> HttpCatalog:

@@ -343,10 +343,12 @@ class Transport:
 
     def request(self, method: str, target: str, *, body: Body | None = None,
                 headers: Mapping[str, str] | None = None, what: str,
-                scope: str | None = None, authorize: bool = True) -> Response:
+                scope: str | None = None, authorize: bool = True,
+                safe: bool = False) -> Response:
         """Send `method` to `target` (a path on the origin, or a full URL), follow
         redirects of a GET or HEAD, answer one auth challenge; the answer, whatever its
-        status (Response.expect turns an unwanted one into the typed error)."""
+        status (Response.expect turns an unwanted one into the typed error). `safe`: a
+        POST that only reads (a query too long for a URL), repeated like a GET."""
         url = target if "://" in target else self.url + target
         auth = self.auth if authorize else None
         authorization = auth.header(scope) if auth else None
@@ -355,7 +357,7 @@ class Transport:
             send = dict(headers or {})
             if authorization and origin(url) == self.url:
                 send["Authorization"] = authorization
-            r = self._send(method, url, body, send, what)
+            r = self._send(method, url, body, send, what, safe)
             if r.status == 401 and auth is not None and not challenged:
                 challenged = True  # once: a second 401 means the credentials are refused
                 r.buffer()  # the realm is asked next, and this line is free for it
@@ -374,12 +376,12 @@ class Transport:
 
     def call(self, method: str, target: str, *, body: Body | None = None,
              headers: Mapping[str, str] | None = None, what: str, limit: int,
-             ok: tuple[int, ...] = (200, 201, 202, 204)) -> bytes:
+             ok: tuple[int, ...] = (200, 201, 202, 204), safe: bool = False) -> bytes:
         """One request whose answer is read whole (at most `limit` bytes); a body cut
         short is asked for again when the request is safe to repeat."""
-        tries = self.retries + 1 if method in IDEMPOTENT else 1
+        tries = self.retries + 1 if method in IDEMPOTENT or safe else 1
         for attempt in range(tries):
-            r = self.request(method, target, body=body, headers=headers, what=what)
+            r = self.request(method, target, body=body, headers=headers, what=what, safe=safe)
             r.expect(ok, what)
             try:
                 return r.read(limit, what)
@@ -391,14 +393,14 @@ class Transport:
         raise AssertionError("unreachable")
 
     def _send(self, method: str, url: str, body: Body | None, headers: dict[str, str],
-              what: str) -> Response:
+              what: str, safe: bool = False) -> Response:
         parts = urlsplit(url)
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         if body is not None:
             size = sum(memoryview(b).nbytes for b in body) \
                 if isinstance(body, list | tuple) else memoryview(body).nbytes
             headers["Content-Length"] = str(size)
-        repeatable = method in IDEMPOTENT
+        repeatable = method in IDEMPOTENT or safe
         tries, stale = (self.retries + 1 if repeatable else 1), 1
         while True:
             # Only what may be repeated rides a kept-alive line: one the server has

@@ -137,20 +137,24 @@ def _holds(ctx: Context, repository: str, digest: Digest,
         return False
 
 
-def match(request: Request, ctx: Context) -> dict[str, Any]:
+def match(request: Request, ctx: Context, body: Any) -> dict[str, Any]:
     """The longest prefix among what the caller may read: the lookup itself is narrowed to
     readable repositories, so another tenant's graft neither answers nor hides one, and
-    the answer names only readable `repository:tag`s."""
+    the answer names only readable `repository:tag`s. The query is a POST body (bounded
+    like every JSON body: a 32k-token prompt is ~250 KB); `GET ?q=` stays for clients of
+    earlier versions, whose URL limit refused prompts past ~7,500 tokens."""
     from kvgraft.catalog.lookup import repositories
     from kvgraft.services.match import match as prefix_match
     from kvgraft.services.prefixindex import CatalogPrefixIndex
 
     principal = principal_of(request, ctx)
-    raw = request.query_params.get("q")
-    if raw is None or len(raw) > MAX_BODY:
-        raise OciError(400, "UNSUPPORTED",
-                       'give ?q={"model": {architecture, tokenizer, weights}, "tokens": [...]}')
-    identity, tokens, scope = _match_query(raw)
+    if request.method == "GET":
+        raw = request.query_params.get("q")
+        if raw is None or len(raw) > MAX_BODY:
+            raise OciError(400, "UNSUPPORTED", 'POST {"model": {architecture, tokenizer, '
+                           'weights}, "tokens": [...]}')
+        body = json_body(raw.encode("utf-8", "replace"))
+    identity, tokens, scope = _match_query(body)
     readable = frozenset(r for r in repositories(ctx.catalog)
                          if principal.may(ctx.settings, r, "pull")
                          and (scope is None or scope(r)))
@@ -186,8 +190,7 @@ def stats(request: Request, ctx: Context) -> dict[str, Any]:
     return report.to_json()
 
 
-def _match_query(raw: str) -> tuple[ModelIdentity, list[int], RepositoryScope | None]:
-    query = json_body(raw.encode("utf-8", "replace"))
+def _match_query(query: Any) -> tuple[ModelIdentity, list[int], RepositoryScope | None]:
     model, tokens = (query.get("model"), query.get("tokens")) if isinstance(query, dict) \
         else (None, None)
     if not isinstance(model, dict) or not isinstance(tokens, list) or not all(
@@ -262,7 +265,8 @@ def routes() -> list[Route]:
         Route(f"{PREFIX}/labels", _guarded(labels), methods=["GET"]),
         Route(f"{PREFIX}/models", _guarded(models), methods=["GET"]),
         Route(f"{PREFIX}/log", _guarded(log), methods=["GET"]),
-        Route(f"{PREFIX}/match", _guarded(match), methods=["GET"]),
+        Route(f"{PREFIX}/match", endpoint_of(match), methods=["GET"]),
+        Route(f"{PREFIX}/match", endpoint_of(match, body="json"), methods=["POST"]),
         Route(f"{PREFIX}/stats", _guarded(stats), methods=["GET"]),
         Route(f"{PREFIX}/token", _guarded(token), methods=["GET"]),
         Route(f"{PREFIX}/stored/{{digest}}", _guarded(stored), methods=["GET"]),
