@@ -168,7 +168,8 @@ def test_head_size_80_restores_exactly_on_the_vec16_kernels(tmp_path: Path) -> N
         assert m.model_config["head_dim"] == 80
         restores = [e for e in reg.log(action="restore") if e.outcome == "ok"]
         assert [e.detail["tokens"] for e in restores] == [256]
-        graft = reg.pull(f"{REPO}@{m.digest}", tmp_path / "graft.kv").output
+        graft = tmp_path / "graft.kv"
+        reg.pull(f"{REPO}@{m.digest}", graft)
     finally:
         reg.close()
     # A restore on the engine that published undoes the publish's copy whatever the layout
