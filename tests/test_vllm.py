@@ -11,7 +11,8 @@ nothing is restored. Node D is `vllm serve` (the OpenAI HTTP server) whose bucke
 answers: the request that would restore waits at most `lookup_timeout` and then computes,
 while a request the registry does not hold is served meanwhile. The connector's registry
 side on SQLite + a local directory, without an engine, is checked by
-test_publish_lookup_prefetch below.
+test_publish_lookup_prefetch below. A model of head size 80 (vLLM's `vec16` kernels) has
+two nodes of its own, on SQLite and a local directory.
 
 Each node is one engine start (~35 s on 2 cores), so the nodes are module fixtures shared
 by the tests that read them.
@@ -138,6 +139,58 @@ def test_other_weights_get_no_restore(world: dict[str, Any],
     out = run_node(world["models"]["m1"], node_env(world["shared"], world["root"] / "c"), [Q1])
     assert out[0]["cached"] == 0
     assert len(_events(world, "restore")) == before  # not even attempted: no match
+
+
+@pytest.mark.slow
+def test_head_size_80_restores_exactly_on_the_vec16_kernels(tmp_path: Path) -> None:
+    """Head size 80 runs on vLLM's `vec16` kernels: a graft one engine published restores
+    into another engine (another process, another cache) exactly as the publishing engine's
+    two-step reference. On SQLite and a local directory: two engine starts, no cluster."""
+    from tests.support.tinymodels import build
+
+    model = build(tmp_path / "m", "llama", dtype="BF16", seed=0, head_dim=80, hidden_size=160,
+                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=320)
+    home = tmp_path / "inspector"
+    shared = {"KVGRAFT_CATALOG_URL": f"sqlite:///{tmp_path / 'catalog.db'}",
+              "KVGRAFT_BLOB_URL": (tmp_path / "blobs").as_uri()}
+    Catalog.open(shared["KVGRAFT_CATALOG_URL"], auto_upgrade=True).close()
+    a = run_node(model, node_env(shared, tmp_path / "a"), [Q1, Q1])
+    assert a[0]["cached"] == 0 and a[1]["cached"] == 256  # cold, then the two-step reference
+    b = run_node(model, node_env(shared, tmp_path / "b"), [Q1], prefix_caching=False)
+    assert b[0]["cached"] == 256  # restored, not computed
+    assert b[0]["tokens"] == a[1]["tokens"]
+    assert b[0]["logprobs"] == a[1]["logprobs"]  # exact, not approximately
+    reg = Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
+                          blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
+    try:
+        m = reg.manifest(published(reg, Q1))
+        assert m.provenance["engine"]["attention_isa"] == "vec16"
+        assert m.model_config["head_dim"] == 80
+        restores = [e for e in reg.log(action="restore") if e.outcome == "ok"]
+        assert [e.detail["tokens"] for e in restores] == [256]
+        graft = tmp_path / "graft.kv"
+        reg.pull(f"{REPO}@{m.digest}", graft)
+    finally:
+        reg.close()
+    # A restore on the engine that published undoes the publish's copy whatever the layout
+    # (the two copies are inverses): transformers' prefill of the same model checks what the
+    # published bytes mean. To bf16 rounding (other kernels); a block's keys read in
+    # another layout are off by the keys' own size.
+    import torch
+
+    from kvgraft.formats.kvfile import read_layout
+    from kvgraft.integrations.transformers.capture import cache_tensors, prefill
+    from kvgraft.integrations.transformers.models import load_model
+
+    data = graft.read_bytes()
+    lm = load_model(model, cache_dir=home / "cache")
+    cache, _ = prefill(lm, Q1[:256])
+    for layer, (k, v, _) in zip(read_layout(graft).layers, cache_tensors(cache, 256),
+                                strict=True):
+        for info, want in ((layer.key, k), (layer.value, v)):
+            got = torch.frombuffer(bytearray(data[info.begin : info.end]),
+                                   dtype=torch.bfloat16).view(info.shape)
+            torch.testing.assert_close(got.float(), want.float(), atol=0.03, rtol=0)
 
 
 @pytest.fixture
@@ -316,6 +369,39 @@ def test_paged_copies_match_the_cpu_attention_layout(isa: str) -> None:
     assert torch.equal(k2, key) and torch.equal(v2, value)
     with pytest.raises(UsageError):
         paged.scatter(layer, [4], key, value)  # 2 blocks of tokens into 1
+
+
+@pytest.mark.parametrize(("isa", "dim"), [("vec", 64), ("vec16", 80), ("amx", 64)])
+def test_paged_copies_match_vllms_reshape_and_cache(isa: str, dim: int) -> None:
+    """The copies against vLLM's own writer of the cache (`cpu_attn_reshape_and_cache`, the
+    op its CPU attention caches each step's KV with), byte for byte, tokens in any order."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from kvgraft.integrations.vllm import paged
+
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("vLLM's AMX kernels need a CPU with AMX tiles")
+    blocks, heads, ids = 6, 2, [4, 1, 2]
+    ours, theirs = (torch.zeros(blocks, heads, BLOCK, 2 * dim, dtype=torch.bfloat16)
+                    for _ in range(2))
+    key = torch.randn(heads, len(ids) * BLOCK, dim).bfloat16()
+    value = torch.randn(heads, len(ids) * BLOCK, dim).bfloat16()
+    paged.scatter(paged.block_view(ours, heads, BLOCK, dim, torch.bfloat16, isa=isa), ids,
+                  key, value)
+    slots = torch.tensor([b * BLOCK + t for b in ids for t in range(BLOCK)])
+    order = torch.randperm(len(slots))  # vLLM writes a step's tokens wherever they go
+    k_cache, v_cache = theirs.view(blocks, heads, 2 * BLOCK, dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key.transpose(0, 1)[order].contiguous(),
+                                   value.transpose(0, 1)[order].contiguous(),
+                                   k_cache, v_cache, slots[order], isa)
+    assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16))
+    k2, v2 = paged.gather(paged.block_view(theirs, heads, BLOCK, dim, torch.bfloat16, isa=isa),
+                          ids)
+    assert torch.equal(k2, key) and torch.equal(v2, value)
+    if isa == "vec16":  # what vLLM picks for head size 80, and so the connector
+        assert paged.attention_isa(torch.bfloat16, BLOCK, dim) == "vec16"
+        assert paged.block_view(ours, heads, BLOCK, dim, torch.bfloat16).isa == "vec16"
 
 
 def test_paged_copies_refuse_unknown_layouts() -> None:

@@ -9,6 +9,12 @@ picks from the CPU, dtype, block size and head size) choose how those bytes are 
 - "vec" (x86 AVX2/AVX-512 without AMX): keys transposed, [head_dim, block_size]; values
   as they are, [block_size, head_dim] (measured: a transformers prefill's keys equal the
   block's key bytes read that way, to bf16 rounding).
+- "vec16" (what vLLM picks for a head size that is a multiple of 16 but not of 32, such as
+  80, whatever the CPU, and on x86 for a block size not a multiple of 32): the same bytes
+  as "vec". Its kernels (`AttentionImpl<ISA::VEC16>`, vLLM's csrc/cpu/cpu_attn_vec16.hpp)
+  derive from the "vec" ones and keep their `reshape_and_cache` (keys column-major, values
+  row-major); they differ only in computing in tiles of 16 tokens and 16 dims (checked
+  against vLLM's own `cpu_attn_reshape_and_cache` in tests/test_vllm.py).
 - "amx" (x86 with AMX tiles, bf16, block size a multiple of 32): keys in groups of 16
   tokens, each group [head_dim / 2, 16 tokens, 2 dims]; values in groups of 16 dims, each
   group [block_size / 2, 16 dims, 2 tokens] (the B-matrix packing of AMX tiles, as
@@ -44,7 +50,7 @@ TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float
 _INTS = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32)}  # bytes moved as integers
 
 
-KNOWN_ISAS = ("vec", "amx")  # layouts the copies below implement
+KNOWN_ISAS = ("vec", "vec16", "amx")  # layouts the copies below implement
 
 
 @functools.cache
@@ -146,7 +152,7 @@ def block_view(layer: torch.Tensor, kv_heads: int, block_size: int, head_dim: in
         k = pairs.reshape(nb, kv_heads, block_size // 16, head_dim // 2, 16).swapaxes(3, 4)
         v = values.reshape(nb, kv_heads, head_dim // 16, block_size // 2, 16, 2) \
             .transpose(0, 1, 3, 5, 2, 4)
-    else:  # keys transposed, [head_dim, block_size]; values as they are
+    else:  # vec, vec16: keys transposed, [head_dim, block_size]; values as they are
         k = keys.reshape(nb, kv_heads, head_dim, block_size).swapaxes(2, 3)
         v = values.reshape(nb, kv_heads, block_size, head_dim)
     return PagedLayer(k, v, isa, block_size, head_dim, dtype)
