@@ -7,13 +7,17 @@ another, so a llama.cpp graft is only found by, and only restored into, the same
 configuration. It records llama-cpp-python's version (which pins the llama.cpp it vendors),
 the backend devices and the CPU features the build uses (they choose the kernels), the K
 and V cache types, flash attention on or off (it decides V's layout and the attention
-kernel) and the seq-state format version. `plain` is the model without the engine.
+kernel), whether weights are repacked for the CPU's extra kernels, and the seq-state
+format version. `plain` is the model without the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,11 @@ class Settings:
     type_k: int = 1  # ggml type ids (1: f16)
     type_v: int = 1
     logits_all: bool = False
+    # llama.cpp's "extra buffer types": weights repacked at load for the CPU's own kernels
+    # (AMX tiles on Xeons with AMX). Off by default: its AMX matrix product crashes
+    # (SIGSEGV in ggml_backend_amx_mul_mat) on SmolLM2's Q4_1 weights with the llama.cpp
+    # llama-cpp-python 0.3.36 vendors, and they compute other bits than the plain kernels.
+    extra_buffers: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +104,8 @@ def engine_info(settings: Settings, v_trans: bool) -> dict[str, Any]:
     return {"name": "llama.cpp", "llama_cpp_python": str(lc.__version__),
             "system_info": system_info(), "state_version": SEQ_VERSION,
             "type_k": kv_type_name(settings.type_k), "type_v": kv_type_name(settings.type_v),
-            "flash_attn": settings.flash_attn, "v_trans": v_trans}
+            "flash_attn": settings.flash_attn, "v_trans": v_trans,
+            "extra_buffers": settings.extra_buffers}
 
 
 def model_fingerprint(path: Path | str, *, cache_dir: Path | None, kv_dtype: str = "F16",
@@ -136,6 +146,30 @@ def _check_supported(llm: Any, path: Path) -> None:
                          "kvgraft handles full-attention models only there")
 
 
+_PARAMS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _model_params(lc: Any, *, extra_buffers: bool) -> Iterator[None]:
+    """Model parameters `Llama` has no argument for: it builds them from
+    `llama_model_default_params()` while loading, so that is what is wrapped (one load at a
+    time)."""
+    module = lc.llama_cpp
+    defaults = module.llama_model_default_params
+
+    def params() -> Any:
+        p = defaults()
+        p.use_extra_bufts = extra_buffers
+        return p
+
+    with _PARAMS_LOCK:
+        module.llama_model_default_params = params
+        try:
+            yield
+        finally:
+            module.llama_model_default_params = defaults
+
+
 def load_model(path: Path | str, *, cache_dir: Path | None,
                settings: Settings | None = None) -> LlamaModel:
     """Load a GGUF file into llama.cpp and fingerprint it (weights digest cached)."""
@@ -145,9 +179,11 @@ def load_model(path: Path | str, *, cache_dir: Path | None,
     if not gguf.is_gguf(p):
         raise UsageError(f"not a GGUF file: {p}")
     fp, plain = engine_fingerprint(p, s, cache_dir=cache_dir)
-    llm = lc.Llama(model_path=str(p), n_ctx=s.n_ctx, n_batch=BATCH, n_threads=s.threads,
-                   n_threads_batch=s.threads, logits_all=s.logits_all,
-                   flash_attn=s.flash_attn, type_k=s.type_k, type_v=s.type_v, verbose=False)
+    with _model_params(lc, extra_buffers=s.extra_buffers):
+        llm = lc.Llama(model_path=str(p), n_ctx=s.n_ctx, n_batch=BATCH, n_threads=s.threads,
+                       n_threads_batch=s.threads, logits_all=s.logits_all,
+                       flash_attn=s.flash_attn, type_k=s.type_k, type_v=s.type_v,
+                       verbose=False)
     _check_supported(llm, p)
     c = fp.config
     shape = Shape(int(c["num_hidden_layers"]), int(c["num_key_value_heads"]),
