@@ -126,11 +126,17 @@ def test_llamacpp_restores_only_when_it_pays(tmp_path: Path, bucket: tuple[str, 
             print("\n" + "\n".join(figures[-4:]), flush=True)
             if rate > 100e6:
                 assert decided["long-a"] == decided["long-b"] == "restored", figures
-                # an engine that computes faster than any store answers: nothing restores
-                monkeypatch.setattr(cache.cost.prefill, "seconds", lambda tokens: 0.0)
-                before = cache.counters.snapshot()
-                ttft(lm, cache, prompts["long-a"])
-                after = cache.counters.snapshot()
-                assert after.get("hits", 0) == before.get("hits", 0), after
-                assert after.get("skipped.slower", 0) == before.get("skipped.slower", 0) + 1
+                # an engine that computes faster than any store answers: nothing restores;
+                # with a prefill that costs nothing the lookup itself is not made
+                for prefill_s, lookup_s, skipped in ((1e-4, 0.0, "skipped.slower"),
+                                                     (0.0, 1e-3, "skipped.short")):
+                    reg.cache.prune(everything=True)
+                    monkeypatch.setattr(cache.cost.prefill, "seconds",
+                                        lambda tokens, s=prefill_s: s)
+                    cache.cost.lookup_s = lookup_s
+                    before = cache.counters.snapshot()
+                    ttft(lm, cache, prompts["long-a"])
+                    after = cache.counters.snapshot()
+                    assert after.get("hits", 0) == before.get("hits", 0), after
+                    assert after.get(skipped, 0) == before.get(skipped, 0) + 1, (skipped, after)
             reg.close()

@@ -104,6 +104,22 @@ def test_always_restores_and_unknown_store_restores_to_measure_it() -> None:
     assert local.restore_s is not None and local.restores
 
 
+def test_a_lookup_happens_only_when_it_costs_a_tenth_of_the_prefill() -> None:
+    cost = measured(125e6, 0.02, 1000)  # 1 ms a prompt token
+    assert cost.lookup_pays(1) and cost.lookup_s is None  # not measured: look it up
+    for _ in range(20):
+        cost.observe_lookup(0.05)
+    assert cost.lookup_s == pytest.approx(0.05)
+    assert not cost.lookup_pays(34)  # 34 ms of prefill cannot carry a 50 ms lookup
+    assert not cost.lookup_pays(499)
+    assert cost.lookup_pays(500) and cost.lookup_pays(8192)
+    cost.observe_lookup(-1.0)  # a clock step back is not a measurement
+    assert cost.lookup_s == pytest.approx(0.05)
+    always = measured(125e6, 0.02, 1000, when="always")
+    always.observe_lookup(1.0)
+    assert always.lookup_pays(1)
+
+
 def test_default_prefill_rate_until_measured() -> None:
     p = PrefillSpeed(500.0)
     assert not p.measured and p.seconds(1000) == pytest.approx(2.0)

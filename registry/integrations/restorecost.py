@@ -18,6 +18,12 @@ restores whatever the figures). The figures are measured in the process, from wh
   no prompt (a decode step) measures the per-step overhead, taken off a prompt's time. Until
   the first prompt is measured, `DEFAULT_PREFILL_TOKENS_PER_S` (or the engine's setting).
 
+A lookup costs time too, paid whether or not it finds a restore that pays: a prompt is
+looked up only when the measured lookup time is at most `LOOKUP_SHARE` (a tenth) of the
+prefill it could save (`RestoreCost.lookup_pays`), so a prompt too short to gain from the
+registry computes at most that much later than without it; until a lookup is measured,
+every prompt is looked up.
+
 A store that gets slower turns restores into computes; while restores are skipped nothing
 fetches, so at most once per `probe_interval` a skipped restore's chunks are fetched in the
 background instead (`RestoreCost.probe_due`): the store is measured again, and the prefix
@@ -41,6 +47,7 @@ FIRST_LATENCY_S = 0.005  # per request, for splitting the first fetch measured
 ALPHA = 0.3  # weight of a new measurement
 PROBE_INTERVAL_S = 60.0
 PREFILL_MIN_TOKENS = 2  # fewer: the step's time is its overhead
+LOOKUP_SHARE = 0.1  # a lookup's time, at most, against the prefill it could save
 
 
 def check_restore_when(value: object) -> str:
@@ -207,8 +214,21 @@ class RestoreCost:
         self.prefill = PrefillSpeed(prefill_tokens_per_s)
         self.local_bytes_per_s = local_bytes_per_s
         self.probe_interval = probe_interval
+        self.lookup_s: float | None = None  # measured seconds a lookup takes (weighted)
         self._probed = float("-inf")
         self._lock = threading.Lock()
+
+    def observe_lookup(self, seconds: float) -> None:
+        """A lookup (the match and what deciding its restore reads) took `seconds`."""
+        if seconds >= 0:
+            with self._lock:
+                self.lookup_s = _ewma(self.lookup_s, seconds, ALPHA)
+
+    def lookup_pays(self, tokens: int) -> bool:
+        """Whether to look up a prompt whose lookup could save computing `tokens`."""
+        lookup = self.lookup_s
+        return (self.when == "always" or lookup is None
+                or lookup <= LOOKUP_SHARE * self.prefill.seconds(tokens))
 
     def estimate(self, tokens: int, missing: Iterable[int], cached_bytes: int) -> Estimate:
         """The restore of `tokens` prompt tokens from blobs of sizes `missing` the machine

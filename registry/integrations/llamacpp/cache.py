@@ -18,7 +18,8 @@ thread estimates the restore (the graft's blobs the machine cache lacks at the s
 measured speed, plus verifying what it holds) against computing the tokens it saves at the
 prefill rate llama.cpp measured for the prompts it computed (its `t_p_eval`/`n_p_eval`
 counters), with kvgraft.integrations.restorecost; a slower restore is skipped, counted as
-`skipped.slower`, and the prompt computed.
+`skipped.slower`, and the prompt computed. A prompt whose prefill is so short that the
+measured lookup would cost more than a tenth of it is not looked up (`skipped.short`).
 
 Nothing the registry does can fail a completion or hand llama.cpp wrong KV: a lookup that
 raises (a corrupt blob, an unreachable store, a refused graft) or runs past
@@ -197,8 +198,10 @@ class RegistryCache(BaseLlamaCache):
         """The context state of the longest registry prefix of `key` (None when it is not
         longer than the `in_context` tokens llama.cpp already holds). Runs on the lookup
         thread: it reads the registry, never the engine."""
+        t0 = time.perf_counter()
         found = match(self.registry, self.lm.identity, key)
         if found is None or found.length <= in_context:
+            self.cost.observe_lookup(time.perf_counter() - t0)
             return None
         name = found.references[0].rsplit(":", 1)[0] if found.references else None
         manifest = self.registry.manifest(found.digest)
@@ -208,6 +211,7 @@ class RegistryCache(BaseLlamaCache):
         missing_bytes = sum(b.size for b in lacking)
         estimate = self.cost.estimate(min(found.length, len(key)) - in_context,
                                       [b.size for b in lacking], cached)
+        self.cost.observe_lookup(time.perf_counter() - t0)
         if not estimate.restores:
             if self.cost.probe_due():  # measure the store again, off the completion
                 self._bg.submit("probe", lambda: prefetch(self.registry, lacking,
@@ -236,11 +240,14 @@ class RegistryCache(BaseLlamaCache):
         ids = tuple(int(t) for t in key)
         if not self.settings.restore or len(ids) < self.settings.min_tokens:
             raise KeyError("not looked up")
-        self.counters.add("lookups")
         self.measure_prefill()
+        llm = self.lm.llm
+        in_context = Llama.longest_token_prefix(llm._input_ids.tolist(), ids)
+        if not self.cost.lookup_pays(len(ids) - in_context):
+            self.counters.add("skipped.short")
+            raise KeyError("too few tokens to compute for a lookup to pay")
+        self.counters.add("lookups")
         try:
-            llm = self.lm.llm
-            in_context = Llama.longest_token_prefix(llm._input_ids.tolist(), ids)
             args = (ids, in_context, len(llm.input_ids), llm.n_vocab(), llm._seed)
             state = _within(self.settings.lookup_timeout, lambda: self._state(*args))
         except RestoreSlower as e:
