@@ -19,7 +19,7 @@ from kvgraft.cli.common import (
     policy_options,
     signed_by_option,
 )
-from kvgraft.cli.output import echo, emit_json, err
+from kvgraft.cli.output import echo, emit_json, err, print_fidelity
 from kvgraft.errors import UsageError
 from kvgraft.reference import Reference
 
@@ -179,12 +179,10 @@ def check_cmd(ctx: click.Context, ref: str, model_spec: str, dtype: str | None,
     when the policy refuses it)."""
     from kvgraft.identity.compat import compare
 
-    if llamacpp.is_gguf(model_spec):
-        llamacpp.check(ctx, ref, model_spec, dtype, signed_by, require_verified, as_json)
-        return
     reg = current_registry(ctx)
     reference = Reference.parse(ref)
-    live = _fingerprint_dir(reg, model_spec, dtype)
+    live = llamacpp.engine_fingerprint(reg, model_spec, dtype)[0] \
+        if llamacpp.is_gguf(model_spec) else _fingerprint_dir(reg, model_spec, dtype)
     manifest = reg.open(reference, require_signed_by=signed_by,
                         require_verified=require_verified, model=live.identity,
                         action="check").manifest
@@ -361,31 +359,6 @@ def print_vllm_fidelity(report: Any) -> None:
     click.echo(f"result: {verdict}{att}")
 
 
-def print_fidelity(report: Any) -> None:
-    s = report.summary()
-    click.echo(f"graft {report.reference} ({report.digest.short}): {report.prefix_tokens} "
-               f"prefix tokens, {len(report.suffix_tokens)} suffix tokens, {steps_text(s)}")
-    click.echo(f"{'phase':<7} {'pos':>4}  {'same':<4}  {'argmax g/f':<13} {'max|diff|':>9}  "
-               "logits sha256 (graft)")
-    for p in report.positions:
-        click.echo(f"{p.phase:<7} {p.index:>4}  {'yes' if p.identical else 'NO':<4}  "
-                   f"{p.graft_argmax:>6}/{p.fresh_argmax:<6} {p.max_abs_diff:>9.3g}  "
-                   f"{p.graft_sha256[:16]}")
-    click.echo(f"argmax agreement {s['argmax_agreement']:.0%}, max KL {s['max_kl']:.3g}, "
-               f"max |diff| {s['max_abs_diff']:.3g}")
-    if report.recompute is not None:
-        r = report.recompute
-        state = "all match the manifest" if r["ok"] else f"{len(r['mismatches'])} differ"
-        click.echo(f"recompute: {r['checked']} tensors, {state}")
-    verdict = "BYTE-IDENTICAL" if report.byte_identical else "DIFFERENT"
-    att = f", attestation #{report.attestation}" if report.attestation is not None else ""
-    click.echo(f"result: {verdict}{att}")
-
-
-def steps_text(s: dict[str, Any]) -> str:
-    return f"{s['greedy_steps']} greedy tokens ({'same' if s['greedy_identical'] else 'differ'})"
-
-
 @click.command("match")
 @model_options
 @text_options
@@ -397,22 +370,22 @@ def match_cmd(ctx: click.Context, model_spec: str, dtype: str | None, threads: i
               require_verified: bool, as_json: bool) -> None:
     """Find the artifact holding the longest cached prefix of a text for a model (only
     artifacts the policy accepts; exit 4 when it refuses every one holding a prefix)."""
-    if llamacpp.is_gguf(model_spec):
-        llamacpp.match(ctx, model_spec, dtype, _text(text, text_file), signed_by,
-                       require_verified, as_json)
-        return
-    from transformers import AutoTokenizer
-
-    from kvgraft.integrations.transformers.capture import tokenize
     from kvgraft.services.match import match
 
     reg = current_registry(ctx)
-    fp = _fingerprint_dir(reg, model_spec, dtype)
-    from kvgraft.integrations.transformers.models import resolve_model_dir
+    if llamacpp.is_gguf(model_spec):
+        identity, ids = llamacpp.model_tokens(reg, model_spec, dtype, _text(text, text_file))
+    else:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_spec, reg.config.cache_dir))
-    ids = tokenize(tokenizer, _text(text, text_file))
-    found = match(reg, fp.identity, ids, require_signed_by=signed_by,
+        from kvgraft.integrations.transformers.capture import tokenize
+        from kvgraft.integrations.transformers.models import resolve_model_dir
+
+        identity = _fingerprint_dir(reg, model_spec, dtype).identity
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model_spec,
+                                                                    reg.config.cache_dir))
+        ids = tokenize(tokenizer, _text(text, text_file))
+    found = match(reg, identity, ids, require_signed_by=signed_by,
                   require_verified=require_verified)
     if as_json:
         emit_json({"query_tokens": len(ids), "match": found.to_json() if found else None})

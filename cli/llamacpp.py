@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kvgraft.cli.common import current_registry
-from kvgraft.cli.output import echo, emit_json, err
+from kvgraft.cli.output import echo, emit_json, err, print_fidelity
 from kvgraft.errors import IntegrityError, MissingExtra, UsageError
 from kvgraft.reference import Reference
 
@@ -53,15 +53,28 @@ def _load(reg: Registry, spec: str, threads: int | None) -> Any:
                                settings=llamacpp.Settings(threads=threads))
 
 
-def fingerprint(ctx: click.Context, spec: str, dtype: str | None, as_json: bool) -> None:
+def engine_fingerprint(reg: Registry, spec: str, dtype: str | None) -> tuple[Any, Any]:
+    """(the GGUF's identity with llama.cpp's engine folded in, the model's alone), without
+    loading the model into llama.cpp."""
     _no_dtype(dtype)
     _integration()
-    from kvgraft.integrations.llamacpp.engine import Settings, engine_fingerprint
+    from kvgraft.integrations.llamacpp.engine import Settings
+    from kvgraft.integrations.llamacpp.engine import engine_fingerprint as compute
 
     if not Path(spec).is_file():
         raise UsageError(f"no such GGUF file: {spec}")
-    cache_dir = current_registry(ctx).config.cache_dir
-    fp, plain = engine_fingerprint(spec, Settings(), cache_dir=cache_dir)
+    return compute(spec, Settings(), cache_dir=reg.config.cache_dir)
+
+
+def model_tokens(reg: Registry, spec: str, dtype: str | None, text: str) -> tuple[Any, list[int]]:
+    """(the identity lookups use, `text`'s token ids) for a GGUF model."""
+    _no_dtype(dtype)
+    lm = _load(reg, spec, None)
+    return lm.identity, list(lm.tokenize(text))
+
+
+def fingerprint(ctx: click.Context, spec: str, dtype: str | None, as_json: bool) -> None:
+    fp, plain = engine_fingerprint(current_registry(ctx), spec, dtype)
     if as_json:
         emit_json({**fp.to_json(), "key": str(fp.identity.key), "engine": fp.config["engine"],
                    "model": {**plain.identity.to_json(), "key": str(plain.identity.key)}})
@@ -103,33 +116,6 @@ def capture(ctx: click.Context, ref: str, spec: str, dtype: str | None, threads:
     click.echo(str(result.digest))
 
 
-def check(ctx: click.Context, ref: str, spec: str, dtype: str | None,
-          signed_by: tuple[str, ...], require_verified: bool, as_json: bool) -> None:
-    from kvgraft.identity.compat import compare
-
-    _no_dtype(dtype)
-    _integration()
-    from kvgraft.integrations.llamacpp.engine import Settings, engine_fingerprint
-
-    reg = current_registry(ctx)
-    reference = Reference.parse(ref)
-    if not Path(spec).is_file():
-        raise UsageError(f"no such GGUF file: {spec}")
-    live, _ = engine_fingerprint(spec, Settings(), cache_dir=reg.config.cache_dir)
-    manifest = reg.open(reference, require_signed_by=signed_by,
-                        require_verified=require_verified, model=live.identity,
-                        action="check").manifest
-    report = compare(manifest.model, manifest.model_config, live)
-    if as_json:
-        emit_json({"reference": str(reference), "digest": str(manifest.digest),
-                   **report.to_json()})
-    else:
-        for m in report.mismatches:
-            echo(f"MISMATCH {m.human()}")
-        echo(f"{reference}: {'compatible' if report.ok else 'INCOMPATIBLE'}")
-    report.check(f"graft {reference}")
-
-
 def graft(ctx: click.Context, ref: str, spec: str, dtype: str | None, threads: int | None,
           prompt: str, max_new_tokens: int, force_incompatible: bool,
           signed_by: tuple[str, ...], require_verified: bool, as_json: bool) -> None:
@@ -165,52 +151,10 @@ def verify(ctx: click.Context, ref: str, spec: str, dtype: str | None, threads: 
     if as_json:
         emit_json(report.to_json())
     else:
-        _print_report(report)
+        print_fidelity(report, f"llama.cpp {report.engine.get('llama_cpp_python')}")
     if not report.ok:
         raise IntegrityError(f"graft {ref} is not byte-identical to llama.cpp's two-step "
                              "computation", hint="see the report above")
-
-
-def _print_report(report: Any) -> None:
-    s = report.summary()
-    click.echo(f"graft {report.reference} ({report.digest.short}) on llama.cpp "
-               f"{report.engine.get('llama_cpp_python')}: {report.prefix_tokens} prefix "
-               f"tokens, {len(report.suffix_tokens)} suffix tokens, {s['greedy_steps']} greedy "
-               f"tokens ({'same' if s['greedy_identical'] else 'differ'})")
-    click.echo(f"{'pos':>4}  {'same':<4}  {'argmax g/f':<13} {'max|diff|':>9}  "
-               "logits sha256 (graft)")
-    for p in report.positions:
-        click.echo(f"{p.index:>4}  {'yes' if p.identical else 'NO':<4}  "
-                   f"{p.graft_argmax:>6}/{p.fresh_argmax:<6} {p.max_abs_diff:>9.3g}  "
-                   f"{p.graft_sha256[:16]}")
-    if report.recompute is not None:
-        r = report.recompute
-        state = "all match the manifest" if r["ok"] else f"{len(r['mismatches'])} differ"
-        click.echo(f"recompute: {r['checked']} tensors, {state}")
-    verdict = "BYTE-IDENTICAL" if report.byte_identical else "DIFFERENT"
-    att = f", attestation #{report.attestation}" if report.attestation is not None else ""
-    click.echo(f"result: {verdict}{att}")
-
-
-def match(ctx: click.Context, spec: str, dtype: str | None, text: str,
-          signed_by: tuple[str, ...], require_verified: bool, as_json: bool) -> None:
-    from kvgraft.services.match import match as find
-
-    _no_dtype(dtype)
-    reg = current_registry(ctx)
-    lm = _load(reg, spec, None)
-    ids = lm.tokenize(text)
-    found = find(reg, lm.identity, ids, require_signed_by=signed_by,
-                 require_verified=require_verified)
-    if as_json:
-        emit_json({"query_tokens": len(ids), "match": found.to_json() if found else None})
-        return
-    if found is None:
-        click.echo(f"no cached prefix for these {len(ids)} tokens")
-        return
-    names = ", ".join(found.references) or "untagged"
-    click.echo(f"{found.digest}  {found.length} of {len(ids)} tokens cached "
-               f"(artifact holds {found.token_count}; {names})")
 
 
 def from_llama_state(ctx: click.Context, file: Path, model: str | None, flag: bool) -> Path:

@@ -88,3 +88,28 @@ def err(message: str) -> None:
 def echo(text: object) -> None:
     """One line of human output on stdout, made safe for a terminal."""
     click.echo(safe(text))
+
+
+def print_fidelity(report: Any, engine: str | None = None) -> None:
+    """A kvgraft.integrations.fidelity.FidelityReport, for people (`engine`: what ran it)."""
+    s = report.summary()
+    on = f" on {engine}" if engine else ""
+    greedy = "same" if s["greedy_identical"] else "differ"
+    click.echo(f"graft {report.reference} ({report.digest.short}){on}: {report.prefix_tokens} "
+               f"prefix tokens, {len(report.suffix_tokens)} suffix tokens, "
+               f"{s['greedy_steps']} greedy tokens ({greedy})")
+    click.echo(f"{'phase':<7} {'pos':>4}  {'same':<4}  {'argmax g/f':<13} {'max|diff|':>9}  "
+               "logits sha256 (graft)")
+    for p in report.positions:
+        click.echo(f"{p.phase:<7} {p.index:>4}  {'yes' if p.identical else 'NO':<4}  "
+                   f"{p.graft_argmax:>6}/{p.fresh_argmax:<6} {p.max_abs_diff:>9.3g}  "
+                   f"{p.graft_sha256[:16]}")
+    click.echo(f"argmax agreement {s['argmax_agreement']:.0%}, max KL {s['max_kl']:.3g}, "
+               f"max |diff| {s['max_abs_diff']:.3g}")
+    if report.recompute is not None:
+        r = report.recompute
+        state = "all match the manifest" if r["ok"] else f"{len(r['mismatches'])} differ"
+        click.echo(f"recompute: {r['checked']} tensors, {state}")
+    verdict = "BYTE-IDENTICAL" if report.byte_identical else "DIFFERENT"
+    att = f", attestation #{report.attestation}" if report.attestation is not None else ""
+    click.echo(f"result: {verdict}{att}")

@@ -20,8 +20,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
     raise MissingExtra("grafting into llama.cpp", "llamacpp") from e
 
+from kvgraft.integrations.fidelity import FidelityReport
 from kvgraft.integrations.llamacpp.engine import LlamaModel, Settings, load_model
-from kvgraft.integrations.llamacpp.fidelity import LlamaFidelityReport, verify_graft
+from kvgraft.integrations.llamacpp.fidelity import verify_graft
 from kvgraft.integrations.llamacpp.graft import (
     Capture,
     GraftResult,
@@ -33,8 +34,8 @@ from kvgraft.integrations.llamacpp.graft import (
 
 __all__ = [
     "Capture",
+    "FidelityReport",
     "GraftResult",
-    "LlamaFidelityReport",
     "LlamaGraft",
     "LlamaModel",
     "Settings",

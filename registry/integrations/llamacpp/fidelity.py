@@ -10,15 +10,14 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
-
-import numpy as np
 
 from kvgraft import __version__
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
 from kvgraft.errors import UsageError
+from kvgraft.integrations.fidelity import FidelityReport, Position, compare_rows
 from kvgraft.integrations.llamacpp.engine import LlamaModel, fit_context
 from kvgraft.integrations.llamacpp.graft import greedy, load_graft, prefill, state_tensors
 from kvgraft.integrations.llamacpp.state import kv_tensors
@@ -30,74 +29,10 @@ CLAIM = ("restored graft gives llama.cpp's own two-step logits (prefix, then suf
          "for byte, and the same greedy tokens")
 
 
-@dataclass(frozen=True, slots=True)
-class Position:
-    index: int  # 0: after the suffix; then each greedy step
-    graft_sha256: str
-    fresh_sha256: str
-    graft_argmax: int
-    fresh_argmax: int
-    max_abs_diff: float
-
-    @property
-    def identical(self) -> bool:
-        return self.graft_sha256 == self.fresh_sha256
-
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "identical": self.identical,
-                "graft_sha256": self.graft_sha256, "fresh_sha256": self.fresh_sha256,
-                "graft_argmax": self.graft_argmax, "fresh_argmax": self.fresh_argmax,
-                "max_abs_diff": self.max_abs_diff}
-
-
-@dataclass(frozen=True, slots=True)
-class LlamaFidelityReport:
-    reference: Reference
-    digest: Digest
-    prefix_tokens: int
-    suffix_tokens: tuple[int, ...]
-    positions: tuple[Position, ...]
-    graft_tokens: tuple[int, ...]
-    fresh_tokens: tuple[int, ...]
-    engine: dict[str, Any]
-    recompute: dict[str, Any] | None = None
-    attestation: int | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def byte_identical(self) -> bool:
-        return (all(p.identical for p in self.positions)
-                and self.graft_tokens == self.fresh_tokens)
-
-    @property
-    def ok(self) -> bool:
-        return self.byte_identical and (self.recompute is None or self.recompute["ok"])
-
-    def summary(self) -> dict[str, Any]:
-        agree = sum(p.graft_argmax == p.fresh_argmax for p in self.positions)
-        return {"byte_identical": self.byte_identical, "ok": self.ok,
-                "positions": len(self.positions),
-                "identical_positions": sum(p.identical for p in self.positions),
-                "argmax_agreement": agree / len(self.positions),
-                "max_abs_diff": max(p.max_abs_diff for p in self.positions),
-                "greedy_steps": len(self.graft_tokens),
-                "greedy_identical": self.graft_tokens == self.fresh_tokens}
-
-    def to_json(self) -> dict[str, Any]:
-        return {"reference": str(self.reference), "digest": str(self.digest),
-                "prefix_tokens": self.prefix_tokens, "suffix_tokens": list(self.suffix_tokens),
-                **self.summary(), "graft_continuation": list(self.graft_tokens),
-                "fresh_continuation": list(self.fresh_tokens), "engine": self.engine,
-                "recompute": self.recompute, "attestation": self.attestation,
-                "timings": self.timings, "detail": [p.to_json() for p in self.positions]}
-
-
 def _positions(g: list[tuple[Any, int]], f: list[tuple[Any, int]]) -> tuple[Position, ...]:
-    out = []
-    for i, ((a, ta), (b, tb)) in enumerate(zip(g, f, strict=False)):
-        diff = float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max())
-        out.append(Position(i, Digest.of(a.tobytes()).hex, Digest.of(b.tobytes()).hex,
-                            ta, tb, diff))
+    out: list[Position] = []
+    for i, ((a, _), (b, _)) in enumerate(zip(g, f, strict=False)):
+        out += compare_rows("suffix" if i == 0 else "greedy", i, a, b)
     return tuple(out)
 
 
@@ -122,7 +57,7 @@ def recompute_tensors(lm: LlamaModel, count: int, expected: dict[str, Digest],
 def verify_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
                  suffix: str | None = None, steps: int = 8, recompute: bool = False,
                  attest: bool = True, require_signed_by: Sequence[str] = (),
-                 ) -> LlamaFidelityReport:
+                 ) -> FidelityReport:
     """Restore `ref`, feed the suffix and `steps` greedy tokens; then the same from a fresh
     prefill; compare logits byte for byte. A pass is attested (online)."""
     ids = lm.tokenize(DEFAULT_SUFFIX if suffix is None else suffix, special=False)
@@ -145,7 +80,7 @@ def verify_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
     t3 = time.perf_counter()
     fresh = greedy(lm, ids, steps)
     t4 = time.perf_counter()
-    report = LlamaFidelityReport(
+    report = FidelityReport(
         reference, graft.digest, graft.token_count, tuple(ids), _positions(grafted, fresh),
         tuple(t for _, t in grafted), tuple(t for _, t in fresh), dict(lm.engine), checked,
         None, {"load_restore": round(t1 - t0, 6), "grafted": round(t2 - t1, 6),
@@ -155,7 +90,7 @@ def verify_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
     return report
 
 
-def attest_fidelity(registry: Registry, report: LlamaFidelityReport, lm: LlamaModel) -> int:
+def attest_fidelity(registry: Registry, report: FidelityReport, lm: LlamaModel) -> int:
     import llama_cpp
 
     statement = fidelity_statement(report.digest, lm.identity, report.ok, details={

@@ -21,12 +21,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
     raise MissingExtra("grafting into transformers", "hf") from e
 
+from kvgraft.integrations.fidelity import FidelityReport
 from kvgraft.integrations.transformers.capture import Capture, capture, chat_tokens, tokenize
-from kvgraft.integrations.transformers.fidelity import (
-    FIDELITY_PREDICATE,
-    FidelityReport,
-    verify_graft,
-)
+from kvgraft.integrations.transformers.fidelity import FIDELITY_PREDICATE, verify_graft
 from kvgraft.integrations.transformers.generate import GraftResult, graft_generate
 from kvgraft.integrations.transformers.loader import Graft, load_graft
 from kvgraft.integrations.transformers.models import (

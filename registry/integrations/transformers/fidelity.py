@@ -12,7 +12,6 @@ import dataclasses
 import platform
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,6 +21,7 @@ from kvgraft import __version__
 from kvgraft.client import Registry
 from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import UsageError
+from kvgraft.integrations.fidelity import FidelityReport, Position
 from kvgraft.integrations.transformers.capture import (
     cache_tensors,
     prefill,
@@ -36,83 +36,6 @@ from kvgraft.reference import Reference
 FIDELITY_PREDICATE = "https://kvgraft.dev/attestations/fidelity/v1"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 DEFAULT_SUFFIX = " In summary,"
-
-
-@dataclass(frozen=True, slots=True)
-class Position:
-    """One compared logits row: after suffix token `index` (or greedy step)."""
-
-    phase: str  # "suffix" or "greedy"
-    index: int
-    graft_sha256: str
-    fresh_sha256: str
-    graft_argmax: int
-    fresh_argmax: int
-    kl: float  # KL(fresh || graft), nats
-    max_abs_diff: float
-
-    @property
-    def identical(self) -> bool:
-        return self.graft_sha256 == self.fresh_sha256
-
-    def to_json(self) -> dict[str, Any]:
-        return {"phase": self.phase, "index": self.index, "identical": self.identical,
-                "graft_sha256": self.graft_sha256, "fresh_sha256": self.fresh_sha256,
-                "graft_argmax": self.graft_argmax, "fresh_argmax": self.fresh_argmax,
-                "kl": self.kl, "max_abs_diff": self.max_abs_diff}
-
-
-@dataclass(frozen=True, slots=True)
-class FidelityReport:
-    reference: Reference
-    digest: Digest
-    prefix_tokens: int
-    suffix_tokens: tuple[int, ...]
-    positions: tuple[Position, ...]
-    graft_tokens: tuple[int, ...]  # greedy continuation after the suffix
-    fresh_tokens: tuple[int, ...]
-    engine: dict[str, Any]
-    recompute: dict[str, Any] | None = None  # tensor digests recomputed vs manifest
-    attestation: int | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def byte_identical(self) -> bool:
-        return (all(p.identical for p in self.positions)
-                and self.graft_tokens == self.fresh_tokens)
-
-    @property
-    def ok(self) -> bool:
-        return self.byte_identical and (self.recompute is None or self.recompute["ok"])
-
-    @property
-    def argmax_agreement(self) -> float:
-        return sum(p.graft_argmax == p.fresh_argmax for p in self.positions) / len(self.positions)
-
-    @property
-    def max_kl(self) -> float:
-        return max(p.kl for p in self.positions)
-
-    @property
-    def max_abs_diff(self) -> float:
-        return max(p.max_abs_diff for p in self.positions)
-
-    def summary(self) -> dict[str, Any]:
-        return {"byte_identical": self.byte_identical, "ok": self.ok,
-                "positions": len(self.positions),
-                "identical_positions": sum(p.identical for p in self.positions),
-                "argmax_agreement": self.argmax_agreement, "max_kl": self.max_kl,
-                "max_abs_diff": self.max_abs_diff,
-                "greedy_steps": len(self.graft_tokens),
-                "greedy_identical": self.graft_tokens == self.fresh_tokens}
-
-    def to_json(self) -> dict[str, Any]:
-        return {"reference": str(self.reference), "digest": str(self.digest),
-                "prefix_tokens": self.prefix_tokens, "suffix_tokens": list(self.suffix_tokens),
-                **self.summary(), "graft_continuation": list(self.graft_tokens),
-                "fresh_continuation": list(self.fresh_tokens), "engine": self.engine,
-                "recompute": self.recompute, "attestation": self.attestation,
-                "timings": self.timings, "detail": [p.to_json() for p in self.positions]}
 
 
 def _compare(phase: str, start: int, g: Any, f: Any) -> list[Position]:
