@@ -40,6 +40,26 @@ _HELD = text(
     "SELECT k.n FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS k(key, n)"
     " WHERE EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key)")
 
+# How many leading keys of a chain some artifact holds (the first key none holds ends the
+# prefix), and the newest holders of the last of them: what a lookup asks first, in one
+# round trip. The keys go as one comma-separated string (a digest holds no comma), which
+# costs the driver nothing to send; an array of strings it checks for quoting one by one.
+_DEEPEST_HOLDERS = text(
+    "WITH k AS (SELECT key, n FROM unnest(CAST(string_to_array(:keys, ',') AS varchar[]))"
+    "           WITH ORDINALITY AS k(key, n)),"
+    " d AS (SELECT coalesce(min(k.n) - 1, :count) AS shared FROM k"
+    "       WHERE NOT EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key))"
+    " SELECT d.shared, h.artifact_digest FROM d LEFT JOIN LATERAL ("
+    "  SELECT c.artifact_digest FROM artifact_chunks c"
+    "  WHERE c.prefix_key = (SELECT k.key FROM k WHERE k.n = d.shared)"
+    "  ORDER BY c.created_at DESC, c.artifact_digest DESC LIMIT :limit) h ON true")
+
+# The newest artifacts holding any of the keys (a lookup's tail keys, up to c-1 of them).
+_HOLDERS_OF_ANY = text(
+    "SELECT artifact_digest, prefix_key FROM artifact_chunks"
+    " WHERE prefix_key = ANY(CAST(string_to_array(:keys, ',') AS varchar[]))"
+    " ORDER BY created_at DESC, artifact_digest DESC LIMIT :limit")
+
 
 Within = Collection[str] | None  # repositories a match may come from; None: all of them
 
@@ -96,26 +116,52 @@ class PrefixLookup:
                 hi = mid - 1
         return lo
 
+    def deepest_holders(self, keys: Sequence[Digest],
+                        limit: int) -> tuple[int, list[Digest]]:
+        """(how many leading keys of a chain are in the catalog, up to `limit` artifacts
+        holding the last of them, newest first; none when no key is held). One query on
+        PostgreSQL; elsewhere `deepest_prefix` then `artifacts_with_keys`."""
+        if self.conn.dialect.name == "postgresql" and keys and self.within is None:
+            rows = self.conn.execute(_DEEPEST_HOLDERS, {
+                "keys": ",".join(str(k) for k in keys), "count": len(keys),
+                "limit": limit}).all()
+            return int(rows[0][0]), [stored_digest(d, "artifact_chunks")
+                                     for _, d in rows if d is not None]
+        shared = self.deepest_prefix(keys)
+        if not shared:
+            return 0, []
+        return shared, [d for d, _ in self.artifacts_with_keys(keys[shared - 1:shared], limit)]
+
     def artifacts_with_keys(self, keys: Sequence[Digest],
                             limit: int) -> list[tuple[Digest, Digest]]:
         """(artifact digest, the key it holds) of up to `limit` artifacts whose chain holds
         one of `keys`, newest first: an index seek per key, the newest entries of each."""
+        return [(d, stored_digest(k, "artifact_chunks"))
+                for d, k in self.artifacts_with_key_texts([str(k) for k in keys], limit)]
+
+    def artifacts_with_key_texts(self, keys: Sequence[str],
+                                 limit: int) -> list[tuple[Digest, str]]:
+        """`artifacts_with_keys` for keys in their stored form ("sha256:<hex>"), each
+        answer's key as stored (one of `keys`)."""
         if not keys:
             return []
-        texts = [str(k) for k in keys]
-        if len(texts) == 1:
-            where = _C.prefix_key == texts[0]
-        elif self.conn.dialect.name == "postgresql":
+        postgres = self.conn.dialect.name == "postgresql"
+        if postgres and len(keys) > 1 and self.within is None:
+            rows = self.conn.execute(_HOLDERS_OF_ANY,
+                                     {"keys": ",".join(keys), "limit": limit}).all()
+            return [(stored_digest(d, "artifact_chunks"), k) for d, k in rows]
+        if len(keys) == 1:
+            where = _C.prefix_key == keys[0]
+        elif postgres:
             # One array parameter: an IN list of up to 255 placeholders cost the driver
             # more to parse, each time, than PostgreSQL took to answer it.
-            where = _C.prefix_key == any_(bindparam("keys", texts, type_=ARRAY(String)))
+            where = _C.prefix_key == any_(bindparam("keys", list(keys), type_=ARRAY(String)))
         else:
-            where = _C.prefix_key.in_(texts)
+            where = _C.prefix_key.in_(keys)
         rows = self.conn.execute(
             _within(select(_C.artifact_digest, _C.prefix_key).where(where), self.within)
             .order_by(_C.created_at.desc(), _C.artifact_digest.desc()).limit(limit)).all()
-        return [(stored_digest(d, "artifact_chunks"), stored_digest(k, "artifact_chunks"))
-                for d, k in rows]
+        return [(stored_digest(d, "artifact_chunks"), k) for d, k in rows]
 
 
 @contextmanager

@@ -89,26 +89,23 @@ class CatalogPrefixIndex:
         size `c`. Artifacts holding the last shared full chunk cover at least those chunks
         (tokens compared later may extend it); an artifact whose partial last chunk's key
         is one of the query's tail keys covers exactly up to that key."""
-        from kvgraft.formats.prefix import prefix_keys, tail_keys
+        from kvgraft.formats.prefix import prefix_keys, tail_key_hexes
 
         keys = prefix_keys(identity, query, c)
         full = n // c  # the last key covers a partial span unless this divides
-        shared = q.deepest_prefix(keys[:full])
-        found: dict[Digest, int] = {}
-        if shared:
-            holders = q.artifacts_with_keys(keys[shared - 1:shared], limit)
-            found = {digest: shared * c for digest, _ in holders}
-            if len(holders) < limit:
-                # Every artifact a tail key would find holds keys[shared - 1] too (chains
-                # are prefix-closed), so it is among these already, and the match compares
-                # its tokens past the shared chunks: the tail keys' index seeks (up to c-1
-                # of them) are needed only when more artifacts share the prefix.
-                return shared, found
+        shared, holders = q.deepest_holders(keys[:full], limit)
+        found = dict.fromkeys(holders, shared * c)
+        if shared and len(holders) < limit:
+            # Every artifact a tail key would find holds keys[shared - 1] too (chains are
+            # prefix-closed), so it is among these already, and the match compares its
+            # tokens past the shared chunks: the tail keys' index seeks (up to c-1 of
+            # them) are needed only when more artifacts share the prefix.
+            return shared, found
         rest = min(n - shared * c, c - 1)  # a span of c tokens would be a full chunk
-        tails = tail_keys(identity, query, keys[shared - 1] if shared else None, shared * c,
-                          rest)
-        length_of = {k: shared * c + r for r, k in enumerate(tails, start=1)}
-        for digest, key in q.artifacts_with_keys(tails, limit):
+        tails = tail_key_hexes(identity, query, keys[shared - 1] if shared else None,
+                               shared * c, rest)
+        length_of = {f"sha256:{k}": shared * c + r for r, k in enumerate(tails, start=1)}
+        for digest, key in q.artifacts_with_key_texts(list(length_of), limit):
             found[digest] = max(found.get(digest, 0), length_of[key])
         return shared, found
 
