@@ -127,39 +127,49 @@ def test_a_scope_narrows_the_lookup_itself(registry: Registry, tmp_path: Path) -
     assert match(registry, ident, BASE[:256], repositories=RepositoryScope(("x/*",))) is None
 
 
+@pytest.mark.parametrize("chunk", [64, 256])
 def test_postgres_lookup_answers_what_the_portable_queries_do(
-        make_registry: RegistryFactory, postgres_url: str, tmp_path: Path) -> None:
-    """PostgreSQL's lookup asks its own queries (how deep the chain is held and that key's
-    newest holders in one, the tail keys as one string); for the same grafts its candidates
-    are those of the queries SQLite asks, whether or not more share a prefix than a lookup
-    takes."""
+        make_registry: RegistryFactory, postgres_url: str, tmp_path: Path, chunk: int) -> None:
+    """PostgreSQL's lookup asks its own queries (the model's chunk sizes with how deep the
+    chain of the usual size, 256, is held and that key's newest holders, the tail keys as
+    one string); for the same grafts its candidates are those of the queries SQLite asks,
+    whether the model's grafts are of the usual size or not, of one size or two, and
+    whether or not more share a prefix than a lookup takes."""
     from kvgraft.services.prefixindex import CatalogPrefixIndex
 
     Catalog.open(postgres_url, auto_upgrade=True).close()
     lite = make_registry(home=tmp_path / "lite")
     pg = make_registry(home=tmp_path / "pg", catalog_url=postgres_url)
-    grafts = {"a": BASE[:300], "b": [*BASE[:200], 1, 2, 3], "c": BASE[:150],
-              "d": BASE[:20], "e": BASE[:256], **{f"n{i}": [*BASE[:128], i] for i in range(4)},
-              **{f"t{n}": BASE[:n] for n in range(130, 150, 5)}}  # ends inside chunk 3
+    u = chunk // 64  # the lengths below are in 64ths of a chunk
+    base = list(range(1000, 1000 + 600 * u))
+
+    def b(n: int) -> list[int]:
+        return base[:n * u]
+
+    grafts = {"a": b(300), "b": [*b(200), 1, 2, 3], "c": b(150), "d": b(20), "e": b(256),
+              **{f"n{i}": [*b(128), i] for i in range(4)},
+              **{f"t{n}": b(n) for n in range(130, 150, 5)}}  # ends inside chunk 3
     names = {}
     for reg in (lite, pg):
         for name, ids in grafts.items():
-            names[push(reg, tmp_path, name, ids)] = name
+            names[push(reg, tmp_path, name, ids, chunk=chunk)] = name
+        # The same model's grafts of another chunk size too.
+        names[push(reg, tmp_path, "other", b(200), chunk=320 - chunk)] = "other"
     ident = synthetic_identity("m")
 
     def candidates(reg: Registry, ids: list[int], limit: int) -> list[tuple[str, int, int]]:
         return sorted((names[str(c.digest)], c.covers, c.shared_chunks) for c in
                       CatalogPrefixIndex(sql_catalog(reg)).candidates(ident, ids, limit))
 
-    queries = [[*BASE[:250], 9], BASE[:300], [*BASE[:200], 1, 2, 7], [*BASE[:150], 1],
-               [*BASE[:20], 7], BASE[:19], [5, 6, 7] * 50, BASE[:64], BASE[:128], BASE[:256],
-               [*BASE[:130], 8], [*BASE[:128], *range(5000, 5070)], [*BASE[:200], *[4] * 100]]
+    queries = [[*b(250), 9], b(300), [*b(200), 1, 2, 7], [*b(150), 1], [*b(20), 7], b(19),
+               [5, 6, 7] * 50, b(64), b(128), b(256), [*b(130), 8],
+               [*b(128), *range(5000, 5000 + 70 * u)], [*b(200), *[4] * 100 * u], [], [3]]
     try:
         for limit in (32, 3):
             for ids in queries:
                 assert candidates(pg, ids, limit) == candidates(lite, ids, limit), (ids, limit)
         # Every full chunk of the query held: its holders cover them, tokens do the rest.
-        assert ("a", 256, 4) in candidates(pg, BASE[:300], 32)
+        assert ("a", 256 * u, 4) in candidates(pg, b(300), 32)
     finally:
         lite.close()
         pg.close()

@@ -25,15 +25,15 @@ from kvgraft.digest import Digest
 
 _C = ArtifactChunkRow.__table__.c
 # A skip scan over (model_id, chunk_tokens): each step seeks the next larger size.
-_SIZES = text(
-    "WITH RECURSIVE m(id) AS (SELECT id FROM models WHERE identity = :identity),"
+_SIZES_CTES = (
+    "m(id) AS (SELECT id FROM models WHERE identity = :identity),"
     " sizes(c) AS ("
     " SELECT MIN(chunk_tokens) FROM artifacts WHERE model_id = (SELECT id FROM m)"
     " UNION ALL"
     " SELECT (SELECT MIN(chunk_tokens) FROM artifacts"
     "         WHERE model_id = (SELECT id FROM m) AND chunk_tokens > sizes.c)"
-    " FROM sizes WHERE sizes.c IS NOT NULL)"
-    " SELECT c FROM sizes WHERE c IS NOT NULL")
+    " FROM sizes WHERE sizes.c IS NOT NULL)")
+_SIZES = text(f"WITH RECURSIVE {_SIZES_CTES} SELECT c FROM sizes WHERE c IS NOT NULL")
 
 # Which of the keys (by position, from 1) some artifact holds.
 _HELD = text(
@@ -41,18 +41,27 @@ _HELD = text(
     " WHERE EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key)")
 
 # How many leading keys of a chain some artifact holds (the first key none holds ends the
-# prefix), and the newest holders of the last of them: what a lookup asks first, in one
-# round trip. The keys go as one comma-separated string (a digest holds no comma), which
-# costs the driver nothing to send; an array of strings it checks for quoting one by one.
-_DEEPEST_HOLDERS = text(
-    "WITH k AS (SELECT key, n FROM unnest(CAST(string_to_array(:keys, ',') AS varchar[]))"
-    "           WITH ORDINALITY AS k(key, n)),"
+# prefix), and the newest holders of the last of them, in one query. The keys go as one
+# comma-separated string (a digest holds no comma), which costs the driver nothing to
+# send; an array of strings it checks for quoting one by one.
+_DEEPEST_CTES = (
+    "k AS (SELECT key, n FROM unnest(CAST(string_to_array(:keys, ',') AS varchar[]))"
+    "      WITH ORDINALITY AS k(key, n)),"
     " d AS (SELECT coalesce(min(k.n) - 1, :count) AS shared FROM k"
-    "       WHERE NOT EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key))"
-    " SELECT d.shared, h.artifact_digest FROM d LEFT JOIN LATERAL ("
+    "       WHERE NOT EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key))")
+_DEEPEST_FROM = (
+    " FROM d LEFT JOIN LATERAL ("
     "  SELECT c.artifact_digest FROM artifact_chunks c"
     "  WHERE c.prefix_key = (SELECT k.key FROM k WHERE k.n = d.shared)"
     "  ORDER BY c.created_at DESC, c.artifact_digest DESC LIMIT :limit) h ON true")
+_DEEPEST_HOLDERS = text(
+    f"WITH {_DEEPEST_CTES} SELECT d.shared, h.artifact_digest{_DEEPEST_FROM}")
+# The model's chunk sizes (rows 0, size, NULL) and, for one size whose keys the lookup
+# sent, the deepest key and its holders (rows 1, shared, holder): a lookup's first query.
+_SIZES_AND_DEEPEST = text(
+    f"WITH RECURSIVE {_SIZES_CTES}, {_DEEPEST_CTES}"
+    " SELECT 0, c, CAST(NULL AS varchar) FROM sizes WHERE c IS NOT NULL"
+    f" UNION ALL SELECT 1, d.shared, h.artifact_digest{_DEEPEST_FROM}")
 
 # The newest artifacts holding any of the keys (a lookup's tail keys, up to c-1 of them).
 _HOLDERS_OF_ANY = text(
@@ -116,12 +125,29 @@ class PrefixLookup:
                 hi = mid - 1
         return lo
 
+    @property
+    def in_one_query(self) -> bool:
+        """Whether `sizes_and_deepest` answers (PostgreSQL, the whole catalog)."""
+        return self.conn.dialect.name == "postgresql" and self.within is None
+
+    def sizes_and_deepest(self, identity_key: Digest, keys: Sequence[Digest],
+                          limit: int) -> tuple[list[int], int, list[Digest]]:
+        """`chunk_sizes` and `deepest_holders` of the keys of one chunk size, in one query
+        (only where `in_one_query`). The keys' size is a guess the sizes confirm or not."""
+        rows = self.conn.execute(_SIZES_AND_DEEPEST, {
+            "identity": str(identity_key), "keys": ",".join(str(k) for k in keys),
+            "count": len(keys), "limit": limit}).all()
+        sizes = sorted(int(n) for part, n, _ in rows if part == 0)
+        shared = next(int(n) for part, n, _ in rows if part == 1)
+        return sizes, shared, [stored_digest(d, "artifact_chunks")
+                               for part, _, d in rows if part == 1 and d is not None]
+
     def deepest_holders(self, keys: Sequence[Digest],
                         limit: int) -> tuple[int, list[Digest]]:
         """(how many leading keys of a chain are in the catalog, up to `limit` artifacts
         holding the last of them, newest first; none when no key is held). One query on
         PostgreSQL; elsewhere `deepest_prefix` then `artifacts_with_keys`."""
-        if self.conn.dialect.name == "postgresql" and keys and self.within is None:
+        if self.in_one_query and keys:
             rows = self.conn.execute(_DEEPEST_HOLDERS, {
                 "keys": ",".join(str(k) for k in keys), "count": len(keys),
                 "limit": limit}).all()
