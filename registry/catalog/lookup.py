@@ -5,9 +5,11 @@ to how many artifacts share a key. The index (prefix_key, created_at, artifact_d
 hands out the artifacts holding a key newest first, read backwards from the key's end, so
 a key thousands of artifacts share (a system prompt's) costs what a rare one does.
 
-A lookup runs its queries over one connection and one transaction (`PrefixLookup`): a
+A lookup runs its queries over one connection, without a transaction (`PrefixLookup`): a
 checkout from the pool (with its liveness ping) and a BEGIN per query were most of a
-lookup's time (docs/deploy.md, "Catalog at scale").
+lookup's time. On PostgreSQL it asks one query, and a second for the tail keys only when
+that can find more: building statements and sending parameters cost the client more than
+PostgreSQL took to answer (docs/deploy.md, "Catalog at scale").
 """
 
 from __future__ import annotations
