@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from benchmarks.catalog_fill import (
     MODELS,
@@ -174,8 +175,11 @@ Done = tuple[list[float], float, float, float | None]
 
 
 def backend_cpu(pid: int | None) -> float | None:
-    """CPU seconds a process on this machine has used (its /proc stat), else None."""
+    """CPU seconds the PostgreSQL backend `pid` has used, from /proc: None unless a process
+    of that id on this machine is PostgreSQL's (the server runs here)."""
     try:
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "postgres":
+            return None
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
@@ -198,6 +202,8 @@ def lookup_client(conn: Connection, url: str) -> None:
         list(index.candidates(*qs[-1], MAX_CANDIDATES))  # connect, warm the pool
         with catalog.engine.connect() as c:  # the pool's one connection, reused by each lookup
             pid = c.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        if make_url(url).host not in (None, "", "localhost", "127.0.0.1", "::1"):
+            pid = None  # a server elsewhere: its process ids are not this machine's
         times: list[float] = []
         time.sleep(max(0.0, start - time.monotonic()))
         cpu, server = time.process_time(), backend_cpu(pid)
