@@ -2,23 +2,34 @@
 afterwards), filled with synthetic grafts (benchmarks.catalog_fill).
 
 For each size, one row {"bench": "catalog scale", "chunk_rows", "artifacts",
-"lookup_ms": {"1": {"p50", "p99", "n", "per_s"}, "16": {...}}, "publish_grafts_per_s", "ls_s",
-"ls_tags", "ls_glob_s", "gc_dry_run_s", "gc_planned_artifacts", "fill_s", "load"}:
+"lookup_ms": {"1": L, "16": L}, "open_loop_ms": {"100": L, "200": L}, "lookup_load",
+"publish_grafts_per_s", "ls_s", "ls_tags", "ls_glob_s", "gc_dry_run_s",
+"gc_planned_artifacts", "fill_s", "load"}, each L {"p50", "p99", "n", "per_s",
+"client_cpu_ms", "server_cpu_ms"}:
   lookup: the prefix index of the library's lookup (CatalogPrefixIndex.candidates, what
           `kvgraft match` and the vLLM connector ask the catalog before they open the
-          candidates from the store), 1 client, then 16 threads each with its own
-          connection; the queries are prompts that extend a graft by a new turn, share only
-          a system prompt, stop inside a graft, or share nothing (another model's tokens);
+          candidates from the store), from client processes (spawned, each with its own
+          engine, connection and CatalogPrefixIndex, as engines on other machines would be):
+          closed loop, 1 client then 16, each sending its lookups back to back ("per_s":
+          the throughput); open loop, 16 clients each sending at Poisson arrivals, 100 and
+          200 lookups a second from all of them together, for 10 s, each latency measured
+          from the lookup's scheduled send, so waiting behind a slow one counts ("per_s":
+          the rate achieved). client_cpu_ms and server_cpu_ms: the CPU a lookup took, on
+          average, in the client process and in its PostgreSQL backend (read from /proc:
+          null for a server on another machine). The queries are prompts that extend a
+          graft by a new turn, share only a system prompt, stop inside a graft, or share
+          nothing (another model's tokens);
   publish: 4 threads each with its own connection committing new grafts through
           Catalog.record_push (the catalog half of a push; the blobs are not uploaded);
   ls:     Registry.list() of every tag, and of one team's repositories (`team3/*`);
   gc:     Registry.gc_plan(untagged_older_than=7 days) against an empty store (a dry run:
           the catalog's inventory and the plan; listing a store of a million blobs is the
           store's cost, not the catalog's).
-"load" is the 1-minute load average before the size was measured. With --explain, the
-plans (EXPLAIN (ANALYZE, BUFFERS)) of every query of one lookup, of ls and of the gc
-inventory go to .bench/catalog-plans-<size>.txt. A PNG of lookup latency against size goes
-to .bench/catalog_scale.png.
+"load" is the 1-minute load average before the size was measured and after it,
+"lookup_load" after its lookups. With --explain, the plans (EXPLAIN (ANALYZE, BUFFERS)) of
+every query of one lookup, of ls and of the gc inventory go to
+.bench/catalog-plans-<size>.txt. A PNG of lookup latency against size goes to
+.bench/catalog_scale.png.
 
     python -m benchmarks.catalog_scale [--quick] [--explain] [--sizes 10000,100000]
 """
@@ -29,6 +40,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import multiprocessing
 import os
 import re
 import statistics
@@ -38,11 +50,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
 
 from benchmarks.catalog_fill import (
     MODELS,
@@ -66,7 +81,11 @@ from kvgraft.services.prefixindex import CatalogPrefixIndex
 SIZES = (10_000, 100_000, 1_000_000)
 QUICK = SIZES[:2]
 BATCH = 4000  # grafts per COPY transaction
-LOOKUPS_1, LOOKUPS_16 = 300, 40  # per client
+CLIENTS = 16
+LOOKUPS_1, LOOKUPS_16 = 300, 60  # per client, back to back
+RATES = (100, 200)  # lookups a second from all the clients together, in the open loop
+OPEN_S = 10.0  # seconds of each open-loop run
+START_S = 1.0  # from sending the clients their work to their common start
 PUBLISHERS, PUBLISHED = 4, 50  # grafts per publisher
 Query = tuple[ModelIdentity, list[int]]
 
@@ -145,22 +164,131 @@ def in_threads(n: int, url: str, work: Callable[[Catalog, int], list[float]]) ->
     return list(itertools.chain.from_iterable(results))
 
 
-def lookups(url: str, qs: Sequence[Query], clients: int, per_client: int) -> dict[str, float]:
-    def work(catalog: Catalog, i: int) -> list[float]:
-        index = CatalogPrefixIndex(catalog)
-        list(index.candidates(*qs[i], MAX_CANDIDATES))  # connect, warm the pool
-        times = []
-        for j in range(per_client):
-            ident, ids = qs[(i * per_client + j) % len(qs)]
-            t0 = time.perf_counter()
-            list(index.candidates(ident, ids, MAX_CANDIDATES))
-            times.append(time.perf_counter() - t0)
-        return times
+# What one lookup client is asked to do: its queries (used in turn), the monotonic clock
+# time to start at, and either a count of lookups back to back (closed loop) or the send
+# times, in seconds after the start, of lookups at a fixed arrival rate (open loop).
+Work = tuple[list[Query], float, int | list[float]]
+# What it answers: each lookup's latency, when its last lookup ended, and the CPU seconds
+# its lookups took in this process and in its PostgreSQL backend (None where the server's
+# process cannot be read: not on this machine).
+Done = tuple[list[float], float, float, float | None]
 
-    t0 = time.perf_counter()
-    times = in_threads(clients, url, work)
-    wall = time.perf_counter() - t0  # includes connecting: a lower bound on the rate
-    return {**percentiles(times), "per_s": round(len(times) / wall)}
+
+def backend_cpu(pid: int | None) -> float | None:
+    """CPU seconds the PostgreSQL backend `pid` has used, from /proc: None unless a process
+    of that id on this machine is PostgreSQL's (the server runs here)."""
+    try:
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "postgres":
+            return None
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def lookup_client(conn: Connection, url: str) -> None:
+    """One lookup client in a process of its own (the engines' lookups do not share one
+    interpreter): its own engine, connection and CatalogPrefixIndex, kept across runs. For
+    each Work it answers a Done; an open-loop lookup's latency runs from its scheduled send
+    time, so time spent waiting behind the client's previous lookup counts."""
+    catalog = Catalog(make_engine(url), url)
+    index = CatalogPrefixIndex(catalog)
+    conn.send("ready")
+    while True:
+        work: Work | None = conn.recv()
+        if work is None:
+            break
+        qs, start, plan = work
+        list(index.candidates(*qs[-1], MAX_CANDIDATES))  # connect, warm the pool
+        with catalog.engine.connect() as c:  # the pool's one connection, reused by each lookup
+            pid = c.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        if make_url(url).host not in (None, "", "localhost", "127.0.0.1", "::1"):
+            pid = None  # a server elsewhere: its process ids are not this machine's
+        times: list[float] = []
+        time.sleep(max(0.0, start - time.monotonic()))
+        cpu, server = time.process_time(), backend_cpu(pid)
+        if isinstance(plan, int):
+            for j in range(plan):
+                t0 = time.monotonic()
+                list(index.candidates(*qs[j % len(qs)], MAX_CANDIDATES))
+                times.append(time.monotonic() - t0)
+        else:
+            for j, at in enumerate(plan):
+                due = start + at
+                time.sleep(max(0.0, due - time.monotonic()))
+                list(index.candidates(*qs[j % len(qs)], MAX_CANDIDATES))
+                times.append(time.monotonic() - due)
+        end, cpu = time.monotonic(), time.process_time() - cpu
+        server_after = backend_cpu(pid)
+        conn.send((times, end, cpu, None if server is None or server_after is None
+                   else server_after - server))
+    catalog.close()
+
+
+class LookupClients:
+    """`n` lookup client processes (spawned: no state inherited from this one), started
+    once and reused for every measurement."""
+
+    def __init__(self, url: str, n: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.pipes: list[Connection] = []
+        self.procs: list[BaseProcess] = []
+        for _ in range(n):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(target=lookup_client, args=(theirs, url), daemon=True)
+            proc.start()
+            self.pipes.append(mine)
+            self.procs.append(proc)
+        for p in self.pipes:
+            if p.recv() != "ready":
+                raise RuntimeError("a lookup client failed to start")
+
+    def run(self, works: Sequence[Work]) -> dict[str, float | None]:
+        """Each Work to one client, run together from `start`: the latencies' percentiles,
+        lookups per second from the start to the last one's end, and the CPU milliseconds
+        a lookup took on average in the client and in the server."""
+        for pipe, work in zip(self.pipes, works, strict=False):
+            pipe.send(work)
+        done: list[Done] = [pipe.recv() for pipe in self.pipes[:len(works)]]
+        times = list(itertools.chain.from_iterable(d[0] for d in done))
+        wall = max(d[1] for d in done) - works[0][1]
+        servers = [d[3] for d in done]
+        server = None if None in servers else sum(s or 0.0 for s in servers)
+        return {**percentiles(times), "per_s": round(len(times) / wall),
+                "client_cpu_ms": round(1000 * sum(d[2] for d in done) / len(times), 2),
+                "server_cpu_ms": None if server is None else
+                round(1000 * server / len(times), 2)}
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+
+
+def lookups(clients: LookupClients, qs: Sequence[Query], n: int,
+            per_client: int) -> dict[str, float | None]:
+    """Closed loop: `n` clients each sending `per_client` lookups back to back."""
+    start = time.monotonic() + START_S
+    return clients.run([(list(qs[i::n]), start, per_client) for i in range(n)])
+
+
+def open_loop(clients: LookupClients, qs: Sequence[Query], rate: float,
+              seed: int) -> dict[str, float | None]:
+    """Open loop: every client sends lookups at Poisson arrivals, `rate` a second from all
+    of them together, for OPEN_S seconds; each latency from the lookup's scheduled send
+    (queueing counted: no coordinated omission)."""
+    n = len(clients.pipes)
+    rng = np.random.default_rng(seed)
+    plans = []
+    for _ in range(n):
+        at = np.cumsum(rng.exponential(n / rate, size=int(rate / n * OPEN_S * 2) + 16))
+        plans.append([float(t) for t in at[at < OPEN_S]])
+    start = time.monotonic() + START_S
+    return {**clients.run([(list(qs[i::n]), start, plans[i]) for i in range(n)]),
+            "rate": rate}
 
 
 def publish(url: str, first: int) -> float:
@@ -277,12 +405,16 @@ def plans(url: str, qs: Sequence[Query]) -> str:
     return "\n".join(out)
 
 
-def measure(url: str, loaded: Sequence[Graft], first: int) -> dict[str, Any]:
+def measure(url: str, clients: LookupClients, loaded: Sequence[Graft],
+            first: int) -> dict[str, Any]:
     load = round(os.getloadavg()[0], 2)
     qs = queries(loaded, 400, seed=len(loaded))
-    row: dict[str, Any] = {"lookup_ms": {"1": lookups(url, qs, 1, LOOKUPS_1),
-                                         "16": lookups(url, qs, 16, LOOKUPS_16)},
-                           "publish_grafts_per_s": publish(url, first)}
+    row: dict[str, Any] = {
+        "lookup_ms": {"1": lookups(clients, qs, 1, LOOKUPS_1),
+                      str(CLIENTS): lookups(clients, qs, CLIENTS, LOOKUPS_16)},
+        "open_loop_ms": {str(r): open_loop(clients, qs, r, seed=r) for r in RATES},
+        "lookup_load": round(os.getloadavg()[0], 2),
+        "publish_grafts_per_s": publish(url, first)}
     with registry(url) as reg:
         row["ls_s"], tags = timed(reg.list)
         row["ls_tags"] = len(tags)
@@ -327,6 +459,7 @@ def run(report: Callable[[dict[str, Any]], None], workdir: Path = Path(".bench")
         catalog.upgrade()
         loader, source = Loader(catalog), grafts()
         pool = ProcessPoolExecutor(2)  # the rows are built beside the COPY
+        clients = LookupClients(url, CLIENTS)
         loaded = [next(source) for _ in range(3)]
         loader.push(loaded)  # through record_push, and the bulk rows checked against them
         try:
@@ -335,7 +468,7 @@ def run(report: Callable[[dict[str, Any]], None], workdir: Path = Path(".bench")
                 fill_to(loader, source, loaded, size, pool)
                 fill_s = round(time.perf_counter() - t0, 1)
                 chunks, arts = counts(catalog)  # what the lookups see (publish adds some)
-                row = measure(url, loaded, (k + 1) * 10**8)
+                row = measure(url, clients, loaded, (k + 1) * 10**8)
                 loader.resync()  # the publishers' grafts
                 row = {"bench": "catalog scale", "chunk_rows": chunks, "artifacts": arts,
                        "models": MODELS, **row, "fill_s": fill_s}
@@ -345,6 +478,7 @@ def run(report: Callable[[dict[str, Any]], None], workdir: Path = Path(".bench")
                 report(row)
                 found.append(row)
         finally:
+            clients.close()
             pool.shutdown()
             catalog.close()
     plot(found, workdir / "catalog_scale.png")

@@ -104,9 +104,16 @@ def plot_lookup(rows: Sequence[Row], out: Path) -> Path:
                 if all(isinstance(v, int | float) for v in values):
                     plural = "s" if clients != "1" else ""
                     ax.plot(sizes, values, style, marker=marker,
-                            label=f"{q}, {clients} client{plural}")
+                            label=f"{q}, {clients} client{plural} back to back")
+        # 16 clients at a fixed arrival rate (the way engines look up), where measured.
+        rates = sorted({k for r in rows for k in r.get("open_loop_ms", {})}, key=float)
+        for rate, marker in zip(rates, "^v<>", strict=False):
+            values = [r.get("open_loop_ms", {}).get(rate, {}).get("p99") for r in rows]
+            if all(isinstance(v, int | float) for v in values):
+                ax.plot(sizes, values, ":", marker=marker, label=f"p99, 16 clients, {rate}/s")
         ax.axhline(20, color="grey", linewidth=0.8, linestyle=":", label="20 ms target")
-        ax.set(xscale="log", xlabel="chunk rows in the catalog", ylabel="prefix lookup (ms)",
+        ax.set(xscale="log", yscale="log", xlabel="chunk rows in the catalog",
+               ylabel="prefix lookup (ms)",
                title="Prefix lookup against catalog size (PostgreSQL)")
 
     return _figure(draw, out)

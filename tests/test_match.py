@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from sqlalchemy import text
 
+from kvgraft.catalog import Catalog
 from kvgraft.catalog.lookup import has_prefix_key
 from kvgraft.client import Registry
 from kvgraft.formats.prefix import prefix_keys
 from kvgraft.services.match import match
 from kvgraft.transfer.push import PushOptions
-from tests.support.harness import sql_catalog
+from tests.support.harness import RegistryFactory, sql_catalog
 from tests.support.synthetic import synthetic_identity, write_synthetic
 
 BASE = list(range(1000, 1600))
+
+
+@pytest.fixture
+def registry(make_registry: RegistryFactory, catalog_url: str) -> Iterator[Registry]:
+    """On SQLite and on PostgreSQL, whose lookup asks fewer, different queries."""
+    Catalog.open(catalog_url, auto_upgrade=True).close()
+    reg = make_registry(catalog_url=catalog_url)
+    yield reg
+    reg.close()
 
 
 def push(registry: Registry, tmp: Path, name: str, ids: list[int], model: str = "m",
@@ -50,15 +62,20 @@ def test_other_chunk_sizes_and_short_queries(registry: Registry, tmp_path: Path)
     assert found is not None and str(found.digest) in (short, c) and found.length == 20
 
 
-def test_prefix_lookup_uses_the_index(registry: Registry) -> None:
+def test_prefix_lookup_uses_the_index(make_registry: RegistryFactory) -> None:
     """The queries are index seeks, so a catalog of any size answers in O(log) time
-    (benchmarks/graft.py times it on 100k artifacts)."""
+    (benchmarks/graft.py times it on 100k artifacts; benchmarks/catalog_scale.py shows
+    PostgreSQL's plans at 1M chunk rows)."""
+    registry = make_registry()  # SQLite
     catalog = sql_catalog(registry)
-    assert not has_prefix_key(catalog, prefix_keys(synthetic_identity(), b"\0" * 8, 1)[0])
-    with catalog.engine.connect() as conn:
-        plan = conn.execute(text(
-            "EXPLAIN QUERY PLAN SELECT idx FROM artifact_chunks WHERE prefix_key = 'x' LIMIT 1"
-        )).fetchall()
+    try:
+        assert not has_prefix_key(catalog,
+                                  prefix_keys(synthetic_identity(), b"\0" * 8, 1)[0])
+        with catalog.engine.connect() as conn:
+            plan = conn.execute(text("EXPLAIN QUERY PLAN SELECT idx FROM artifact_chunks"
+                                     " WHERE prefix_key = 'x' LIMIT 1")).fetchall()
+    finally:
+        registry.close()
     assert "ix_artifact_chunks_prefix_key" in " ".join(str(r) for r in plan)
 
 
@@ -108,3 +125,51 @@ def test_a_scope_narrows_the_lookup_itself(registry: Registry, tmp_path: Path) -
                   repositories=RepositoryScope(("team/*",)))
     assert found is not None and found.digest == mine and found.length == 256
     assert match(registry, ident, BASE[:256], repositories=RepositoryScope(("x/*",))) is None
+
+
+@pytest.mark.parametrize("chunk", [64, 256])
+def test_postgres_lookup_answers_what_the_portable_queries_do(
+        make_registry: RegistryFactory, postgres_url: str, tmp_path: Path, chunk: int) -> None:
+    """PostgreSQL's lookup asks its own queries (the model's chunk sizes with how deep the
+    chain of the usual size, 256, is held and that key's newest holders, the tail keys as
+    one string); for the same grafts its candidates are those of the queries SQLite asks,
+    whether the model's grafts are of the usual size or not, of one size or two, and
+    whether or not more share a prefix than a lookup takes."""
+    from kvgraft.services.prefixindex import CatalogPrefixIndex
+
+    Catalog.open(postgres_url, auto_upgrade=True).close()
+    lite = make_registry(home=tmp_path / "lite")
+    pg = make_registry(home=tmp_path / "pg", catalog_url=postgres_url)
+    u = chunk // 64  # the lengths below are in 64ths of a chunk
+    base = list(range(1000, 1000 + 600 * u))
+
+    def b(n: int) -> list[int]:
+        return base[:n * u]
+
+    grafts = {"a": b(300), "b": [*b(200), 1, 2, 3], "c": b(150), "d": b(20), "e": b(256),
+              **{f"n{i}": [*b(128), i] for i in range(4)},
+              **{f"t{n}": b(n) for n in range(130, 150, 5)}}  # ends inside chunk 3
+    names = {}
+    for reg in (lite, pg):
+        for name, ids in grafts.items():
+            names[push(reg, tmp_path, name, ids, chunk=chunk)] = name
+        # The same model's grafts of another chunk size too.
+        names[push(reg, tmp_path, "other", b(200), chunk=320 - chunk)] = "other"
+    ident = synthetic_identity("m")
+
+    def candidates(reg: Registry, ids: list[int], limit: int) -> list[tuple[str, int, int]]:
+        return sorted((names[str(c.digest)], c.covers, c.shared_chunks) for c in
+                      CatalogPrefixIndex(sql_catalog(reg)).candidates(ident, ids, limit))
+
+    queries = [[*b(250), 9], b(300), [*b(200), 1, 2, 7], [*b(150), 1], [*b(20), 7], b(19),
+               [5, 6, 7] * 50, b(64), b(128), b(256), [*b(130), 8],
+               [*b(128), *range(5000, 5000 + 70 * u)], [*b(200), *[4] * 100 * u], [], [3]]
+    try:
+        for limit in (32, 3):
+            for ids in queries:
+                assert candidates(pg, ids, limit) == candidates(lite, ids, limit), (ids, limit)
+        # Every full chunk of the query held: its holders cover them, tokens do the rest.
+        assert ("a", 256 * u, 4) in candidates(pg, b(300), 32)
+    finally:
+        lite.close()
+        pg.close()

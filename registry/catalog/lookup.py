@@ -5,9 +5,11 @@ to how many artifacts share a key. The index (prefix_key, created_at, artifact_d
 hands out the artifacts holding a key newest first, read backwards from the key's end, so
 a key thousands of artifacts share (a system prompt's) costs what a rare one does.
 
-A lookup runs its queries over one connection and one transaction (`PrefixLookup`): a
+A lookup runs its queries over one connection, without a transaction (`PrefixLookup`): a
 checkout from the pool (with its liveness ping) and a BEGIN per query were most of a
-lookup's time (docs/deploy.md, "Catalog at scale").
+lookup's time. On PostgreSQL it asks one query, and a second for the tail keys only when
+that can find more: building statements and sending parameters cost the client more than
+PostgreSQL took to answer (docs/deploy.md, "Catalog at scale").
 """
 
 from __future__ import annotations
@@ -25,20 +27,49 @@ from kvgraft.digest import Digest
 
 _C = ArtifactChunkRow.__table__.c
 # A skip scan over (model_id, chunk_tokens): each step seeks the next larger size.
-_SIZES = text(
-    "WITH RECURSIVE m(id) AS (SELECT id FROM models WHERE identity = :identity),"
+_SIZES_CTES = (
+    "m(id) AS (SELECT id FROM models WHERE identity = :identity),"
     " sizes(c) AS ("
     " SELECT MIN(chunk_tokens) FROM artifacts WHERE model_id = (SELECT id FROM m)"
     " UNION ALL"
     " SELECT (SELECT MIN(chunk_tokens) FROM artifacts"
     "         WHERE model_id = (SELECT id FROM m) AND chunk_tokens > sizes.c)"
-    " FROM sizes WHERE sizes.c IS NOT NULL)"
-    " SELECT c FROM sizes WHERE c IS NOT NULL")
+    " FROM sizes WHERE sizes.c IS NOT NULL)")
+_SIZES = text(f"WITH RECURSIVE {_SIZES_CTES} SELECT c FROM sizes WHERE c IS NOT NULL")
 
 # Which of the keys (by position, from 1) some artifact holds.
 _HELD = text(
     "SELECT k.n FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS k(key, n)"
     " WHERE EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key)")
+
+# How many leading keys of a chain some artifact holds (the first key none holds ends the
+# prefix), and the newest holders of the last of them, in one query. The keys go as one
+# comma-separated string (a digest holds no comma), which costs the driver nothing to
+# send; an array of strings it checks for quoting one by one.
+_DEEPEST_CTES = (
+    "k AS (SELECT key, n FROM unnest(CAST(string_to_array(:keys, ',') AS varchar[]))"
+    "      WITH ORDINALITY AS k(key, n)),"
+    " d AS (SELECT coalesce(min(k.n) - 1, :count) AS shared FROM k"
+    "       WHERE NOT EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key))")
+_DEEPEST_FROM = (
+    " FROM d LEFT JOIN LATERAL ("
+    "  SELECT c.artifact_digest FROM artifact_chunks c"
+    "  WHERE c.prefix_key = (SELECT k.key FROM k WHERE k.n = d.shared)"
+    "  ORDER BY c.created_at DESC, c.artifact_digest DESC LIMIT :limit) h ON true")
+_DEEPEST_HOLDERS = text(
+    f"WITH {_DEEPEST_CTES} SELECT d.shared, h.artifact_digest{_DEEPEST_FROM}")
+# The model's chunk sizes (rows 0, size, NULL) and, for one size whose keys the lookup
+# sent, the deepest key and its holders (rows 1, shared, holder): a lookup's first query.
+_SIZES_AND_DEEPEST = text(
+    f"WITH RECURSIVE {_SIZES_CTES}, {_DEEPEST_CTES}"
+    " SELECT 0, c, CAST(NULL AS varchar) FROM sizes WHERE c IS NOT NULL"
+    f" UNION ALL SELECT 1, d.shared, h.artifact_digest{_DEEPEST_FROM}")
+
+# The newest artifacts holding any of the keys (a lookup's tail keys, up to c-1 of them).
+_HOLDERS_OF_ANY = text(
+    "SELECT artifact_digest, prefix_key FROM artifact_chunks"
+    " WHERE prefix_key = ANY(CAST(string_to_array(:keys, ',') AS varchar[]))"
+    " ORDER BY created_at DESC, artifact_digest DESC LIMIT :limit")
 
 
 Within = Collection[str] | None  # repositories a match may come from; None: all of them
@@ -96,26 +127,69 @@ class PrefixLookup:
                 hi = mid - 1
         return lo
 
+    @property
+    def in_one_query(self) -> bool:
+        """Whether `sizes_and_deepest` answers (PostgreSQL, the whole catalog)."""
+        return self.conn.dialect.name == "postgresql" and self.within is None
+
+    def sizes_and_deepest(self, identity_key: Digest, keys: Sequence[Digest],
+                          limit: int) -> tuple[list[int], int, list[Digest]]:
+        """`chunk_sizes` and `deepest_holders` of the keys of one chunk size, in one query
+        (only where `in_one_query`). The keys' size is a guess the sizes confirm or not."""
+        rows = self.conn.execute(_SIZES_AND_DEEPEST, {
+            "identity": str(identity_key), "keys": ",".join(str(k) for k in keys),
+            "count": len(keys), "limit": limit}).all()
+        sizes = sorted(int(n) for part, n, _ in rows if part == 0)
+        shared = next(int(n) for part, n, _ in rows if part == 1)
+        return sizes, shared, [stored_digest(d, "artifact_chunks")
+                               for part, _, d in rows if part == 1 and d is not None]
+
+    def deepest_holders(self, keys: Sequence[Digest],
+                        limit: int) -> tuple[int, list[Digest]]:
+        """(how many leading keys of a chain are in the catalog, up to `limit` artifacts
+        holding the last of them, newest first; none when no key is held). One query on
+        PostgreSQL; elsewhere `deepest_prefix` then `artifacts_with_keys`."""
+        if self.in_one_query and keys:
+            rows = self.conn.execute(_DEEPEST_HOLDERS, {
+                "keys": ",".join(str(k) for k in keys), "count": len(keys),
+                "limit": limit}).all()
+            return int(rows[0][0]), [stored_digest(d, "artifact_chunks")
+                                     for _, d in rows if d is not None]
+        shared = self.deepest_prefix(keys)
+        if not shared:
+            return 0, []
+        return shared, [d for d, _ in self.artifacts_with_keys(keys[shared - 1:shared], limit)]
+
     def artifacts_with_keys(self, keys: Sequence[Digest],
                             limit: int) -> list[tuple[Digest, Digest]]:
         """(artifact digest, the key it holds) of up to `limit` artifacts whose chain holds
         one of `keys`, newest first: an index seek per key, the newest entries of each."""
+        return [(d, stored_digest(k, "artifact_chunks"))
+                for d, k in self.artifacts_with_key_texts([str(k) for k in keys], limit)]
+
+    def artifacts_with_key_texts(self, keys: Sequence[str],
+                                 limit: int) -> list[tuple[Digest, str]]:
+        """`artifacts_with_keys` for keys in their stored form ("sha256:<hex>"), each
+        answer's key as stored (one of `keys`)."""
         if not keys:
             return []
-        texts = [str(k) for k in keys]
-        if len(texts) == 1:
-            where = _C.prefix_key == texts[0]
-        elif self.conn.dialect.name == "postgresql":
+        postgres = self.conn.dialect.name == "postgresql"
+        if postgres and len(keys) > 1 and self.within is None:
+            rows = self.conn.execute(_HOLDERS_OF_ANY,
+                                     {"keys": ",".join(keys), "limit": limit}).all()
+            return [(stored_digest(d, "artifact_chunks"), k) for d, k in rows]
+        if len(keys) == 1:
+            where = _C.prefix_key == keys[0]
+        elif postgres:
             # One array parameter: an IN list of up to 255 placeholders cost the driver
             # more to parse, each time, than PostgreSQL took to answer it.
-            where = _C.prefix_key == any_(bindparam("keys", texts, type_=ARRAY(String)))
+            where = _C.prefix_key == any_(bindparam("keys", list(keys), type_=ARRAY(String)))
         else:
-            where = _C.prefix_key.in_(texts)
+            where = _C.prefix_key.in_(keys)
         rows = self.conn.execute(
             _within(select(_C.artifact_digest, _C.prefix_key).where(where), self.within)
             .order_by(_C.created_at.desc(), _C.artifact_digest.desc()).limit(limit)).all()
-        return [(stored_digest(d, "artifact_chunks"), stored_digest(k, "artifact_chunks"))
-                for d, k in rows]
+        return [(stored_digest(d, "artifact_chunks"), k) for d, k in rows]
 
 
 @contextmanager

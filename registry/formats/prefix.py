@@ -37,6 +37,13 @@ def tail_keys(identity: ModelIdentity, token_bytes: Buffer, after: Digest | None
     chained after the key `after` (None at the start): key r-1 names the first r of them.
     A graft's last chunk is shorter than the chunk size unless it divides the token count,
     so these find a graft the query extends by its own last key."""
+    return [Digest(h) for h in tail_key_hexes(identity, token_bytes, after, start, count)]
+
+
+def tail_key_hexes(identity: ModelIdentity, token_bytes: Buffer, after: Digest | None,
+                   start: int, count: int) -> list[str]:
+    """`tail_keys` as hex strings: a lookup sends up to c-1 of them to the catalog as they
+    are, and checking each one's form again cost more than hashing it."""
     view = memoryview(token_bytes)
     prev = bytes.fromhex(after.hex) if after is not None else _SEED
     # Key r-1 hashes what key r-2 hashed plus one token: one running hash, copied at each
@@ -46,5 +53,5 @@ def tail_keys(identity: ModelIdentity, token_bytes: Buffer, after: Digest | None
     keys = []
     for lo in range(start * TOKEN_BYTES, (start + count) * TOKEN_BYTES, TOKEN_BYTES):
         h.update(view[lo : lo + TOKEN_BYTES])
-        keys.append(Digest(h.copy().hexdigest()))
+        keys.append(h.copy().hexdigest())
     return keys

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from kvgraft.remote.http import HttpRemote
 
 
+# A chunk size's prefix keys of the query, how many leading ones the catalog holds, and the
+# newest holders of the last of those.
+Deepest = tuple[list[Digest], int, list[Digest]]
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     digest: Digest
@@ -66,6 +71,8 @@ class CatalogPrefixIndex:
     def candidates(self, identity: ModelIdentity, ids: Sequence[int], limit: int,
                    scope: RepositoryScope | None = None) -> Iterator[Candidate]:
         from kvgraft.catalog.lookup import prefix_lookup, repositories
+        from kvgraft.formats.chunks import DEFAULT_CHUNK_TOKENS
+        from kvgraft.formats.prefix import prefix_keys
 
         within = self.within
         if scope is not None:
@@ -77,38 +84,50 @@ class CatalogPrefixIndex:
         found: list[Candidate] = []
         # Every query over one connection, released before the caller opens candidates.
         with prefix_lookup(self.catalog, within) as q:
-            for c in q.chunk_sizes(identity.key):
-                shared, known = self._by_size(q, identity, query, len(ids), c, limit)
+            first: dict[int, Deepest] = {}
+            if q.in_one_query:
+                # The model's sizes and the deepest key of the usual size, in one round
+                # trip: a model without that size only wasted a few index seeks.
+                c = DEFAULT_CHUNK_TOKENS
+                keys = prefix_keys(identity, query, c)
+                sizes, shared, holders = q.sizes_and_deepest(identity.key,
+                                                             keys[:len(ids) // c], limit)
+                first[c] = (keys, shared, holders)
+            else:
+                sizes = q.chunk_sizes(identity.key)
+            for c in sizes:
+                shared, known = self._by_size(q, identity, query, len(ids), c, limit,
+                                              first.get(c))
                 found += [Candidate(digest, n, c, shared) for digest, n in known.items()]
         yield from found
 
     @staticmethod
     def _by_size(q: PrefixLookup, identity: ModelIdentity, query: bytes, n: int, c: int,
-                 limit: int) -> tuple[int, dict[Digest, int]]:
+                 limit: int, asked: Deepest | None = None) -> tuple[int, dict[Digest, int]]:
         """(full chunks shared by key, {artifact: tokens it is known to cover}) for chunk
         size `c`. Artifacts holding the last shared full chunk cover at least those chunks
         (tokens compared later may extend it); an artifact whose partial last chunk's key
-        is one of the query's tail keys covers exactly up to that key."""
-        from kvgraft.formats.prefix import prefix_keys, tail_keys
+        is one of the query's tail keys covers exactly up to that key. `asked`: the keys,
+        the deepest held and its holders, when the lookup's first query answered them."""
+        from kvgraft.formats.prefix import prefix_keys, tail_key_hexes
 
-        keys = prefix_keys(identity, query, c)
-        full = n // c  # the last key covers a partial span unless this divides
-        shared = q.deepest_prefix(keys[:full])
-        found: dict[Digest, int] = {}
-        if shared:
-            holders = q.artifacts_with_keys(keys[shared - 1:shared], limit)
-            found = {digest: shared * c for digest, _ in holders}
-            if len(holders) < limit:
-                # Every artifact a tail key would find holds keys[shared - 1] too (chains
-                # are prefix-closed), so it is among these already, and the match compares
-                # its tokens past the shared chunks: the tail keys' index seeks (up to c-1
-                # of them) are needed only when more artifacts share the prefix.
-                return shared, found
+        if asked is not None:
+            keys, shared, holders = asked
+        else:
+            keys = prefix_keys(identity, query, c)
+            shared, holders = q.deepest_holders(keys[:n // c], limit)
+        found = dict.fromkeys(holders, shared * c)
+        if shared and len(holders) < limit:
+            # Every artifact a tail key would find holds keys[shared - 1] too (chains are
+            # prefix-closed), so it is among these already, and the match compares its
+            # tokens past the shared chunks: the tail keys' index seeks (up to c-1 of
+            # them) are needed only when more artifacts share the prefix.
+            return shared, found
         rest = min(n - shared * c, c - 1)  # a span of c tokens would be a full chunk
-        tails = tail_keys(identity, query, keys[shared - 1] if shared else None, shared * c,
-                          rest)
-        length_of = {k: shared * c + r for r, k in enumerate(tails, start=1)}
-        for digest, key in q.artifacts_with_keys(tails, limit):
+        tails = tail_key_hexes(identity, query, keys[shared - 1] if shared else None,
+                               shared * c, rest)
+        length_of = {f"sha256:{k}": shared * c + r for r, k in enumerate(tails, start=1)}
+        for digest, key in q.artifacts_with_key_texts(list(length_of), limit):
             found[digest] = max(found.get(digest, 0), length_of[key])
         return shared, found
 
