@@ -157,17 +157,28 @@ def test_postgres_lookup_answers_what_the_portable_queries_do(
         names[push(reg, tmp_path, "other", b(200), chunk=320 - chunk)] = "other"
     ident = synthetic_identity("m")
 
-    def candidates(reg: Registry, ids: list[int], limit: int) -> list[tuple[str, int, int]]:
+    def candidates(reg: Registry, ids: list[int], limit: int,
+                   within: frozenset[str] | None = None) -> list[tuple[str, int, int]]:
+        index = CatalogPrefixIndex(sql_catalog(reg), within=within)
         return sorted((names[str(c.digest)], c.covers, c.shared_chunks) for c in
-                      CatalogPrefixIndex(sql_catalog(reg)).candidates(ident, ids, limit))
+                      index.candidates(ident, ids, limit))
 
     queries = [[*b(250), 9], b(300), [*b(200), 1, 2, 7], [*b(150), 1], [*b(20), 7], b(19),
                [5, 6, 7] * 50, b(64), b(128), b(256), [*b(130), 8],
                [*b(128), *range(5000, 5000 + 70 * u)], [*b(200), *[4] * 100 * u], [], [3]]
     try:
-        for limit in (32, 3):
-            for ids in queries:
-                assert candidates(pg, ids, limit) == candidates(lite, ids, limit), (ids, limit)
+        # narrowed to repositories: the newest of a shared prefix outside, one graft of
+        # the other size, nothing held
+        scopes = (None, frozenset({"t/a", "t/c", "t/n1", "t/t135"}),
+                  frozenset({"t/d", "t/other"}), frozenset({"t/none"}))
+        for within in scopes:
+            for limit in (32, 3):
+                for ids in queries:
+                    assert candidates(pg, ids, limit, within) == \
+                        candidates(lite, ids, limit, within), (ids, limit, within)
+        assert candidates(pg, b(300), 32, scopes[3]) == []
+        inside = {n for n, _, _ in candidates(pg, [*b(128), 1], 32, scopes[1])}
+        assert "n1" in inside and inside <= {"a", "c", "n1", "t135"}, inside
         # Every full chunk of the query held: its holders cover them, tokens do the rest.
         assert ("a", 256 * u, 4) in candidates(pg, b(300), 32)
     finally:

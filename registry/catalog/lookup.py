@@ -3,7 +3,8 @@
 Every query here is an index seek: none reads rows in proportion to the catalog size, nor
 to how many artifacts share a key. The index (prefix_key, created_at, artifact_digest)
 hands out the artifacts holding a key newest first, read backwards from the key's end, so
-a key thousands of artifacts share (a system prompt's) costs what a rare one does.
+a key thousands of artifacts share (a system prompt's) costs what a rare one does. (A
+lookup narrowed to repositories reads past the newer holders outside them.)
 
 A lookup runs its queries over one connection, without a transaction (`PrefixLookup`): a
 checkout from the pool (with its liveness ping) and a BEGIN per query were most of a
@@ -18,7 +19,7 @@ from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import ARRAY, Connection, String, any_, bindparam, select, text
+from sqlalchemy import Connection, TextClause, select, text
 
 from kvgraft.catalog.models import ArtifactChunkRow, RepositoryArtifactRow
 from kvgraft.catalog.reader import CatalogReader
@@ -45,31 +46,44 @@ _HELD = text(
 # How many leading keys of a chain some artifact holds (the first key none holds ends the
 # prefix), and the newest holders of the last of them, in one query. The keys go as one
 # comma-separated string (a digest holds no comma), which costs the driver nothing to
-# send; an array of strings it checks for quoting one by one.
+# send; an array of strings it checks for quoting one by one. `{scope}` is empty, or the
+# filter to artifacts of the lookup's repositories (`_SCOPE`): the filter is part of each
+# probe, so an artifact outside them neither answers nor hides one inside.
+_SCOPE = (" AND {c}.artifact_digest IN (SELECT ra.artifact_digest FROM repository_artifacts ra"
+          " WHERE ra.repository = ANY(CAST(:repos AS varchar[])))")
 _DEEPEST_CTES = (
     "k AS (SELECT key, n FROM unnest(CAST(string_to_array(:keys, ',') AS varchar[]))"
     "      WITH ORDINALITY AS k(key, n)),"
     " d AS (SELECT coalesce(min(k.n) - 1, :count) AS shared FROM k"
-    "       WHERE NOT EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key))")
+    "       WHERE NOT EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key"
+    "{scope}))")
 _DEEPEST_FROM = (
     " FROM d LEFT JOIN LATERAL ("
     "  SELECT c.artifact_digest FROM artifact_chunks c"
-    "  WHERE c.prefix_key = (SELECT k.key FROM k WHERE k.n = d.shared)"
+    "  WHERE c.prefix_key = (SELECT k.key FROM k WHERE k.n = d.shared){scope}"
     "  ORDER BY c.created_at DESC, c.artifact_digest DESC LIMIT :limit) h ON true")
-_DEEPEST_HOLDERS = text(
-    f"WITH {_DEEPEST_CTES} SELECT d.shared, h.artifact_digest{_DEEPEST_FROM}")
+# The newest artifacts holding any of the keys (a lookup's tail keys, up to c-1 of them).
+_ANY_KEY = (
+    "SELECT c.artifact_digest, c.prefix_key FROM artifact_chunks c"
+    " WHERE c.prefix_key = ANY(CAST(string_to_array(:keys, ',') AS varchar[])){scope}"
+    " ORDER BY c.created_at DESC, c.artifact_digest DESC LIMIT :limit")
+
+
+def _scoped(template: str, scoped: bool) -> TextClause:
+    return text(template.replace("{scope}", _SCOPE.format(c="c") if scoped else ""))
+
+
+# [scoped]: the lookup's statements, without and with the repository filter
+_DEEPEST_HOLDERS = [_scoped(f"WITH {_DEEPEST_CTES} SELECT d.shared, h.artifact_digest"
+                            f"{_DEEPEST_FROM}", s) for s in (False, True)]
 # The model's chunk sizes (rows 0, size, NULL) and, for one size whose keys the lookup
 # sent, the deepest key and its holders (rows 1, shared, holder): a lookup's first query.
-_SIZES_AND_DEEPEST = text(
+_SIZES_AND_DEEPEST = [_scoped(
     f"WITH RECURSIVE {_SIZES_CTES}, {_DEEPEST_CTES}"
     " SELECT 0, c, CAST(NULL AS varchar) FROM sizes WHERE c IS NOT NULL"
-    f" UNION ALL SELECT 1, d.shared, h.artifact_digest{_DEEPEST_FROM}")
-
-# The newest artifacts holding any of the keys (a lookup's tail keys, up to c-1 of them).
-_HOLDERS_OF_ANY = text(
-    "SELECT artifact_digest, prefix_key FROM artifact_chunks"
-    " WHERE prefix_key = ANY(CAST(string_to_array(:keys, ',') AS varchar[]))"
-    " ORDER BY created_at DESC, artifact_digest DESC LIMIT :limit")
+    f" UNION ALL SELECT 1, d.shared, h.artifact_digest{_DEEPEST_FROM}", s)
+    for s in (False, True)]
+_HOLDERS_OF_ANY = [_scoped(_ANY_KEY, s) for s in (False, True)]
 
 
 Within = Collection[str] | None  # repositories a match may come from; None: all of them
@@ -129,16 +143,21 @@ class PrefixLookup:
 
     @property
     def in_one_query(self) -> bool:
-        """Whether `sizes_and_deepest` answers (PostgreSQL, the whole catalog)."""
-        return self.conn.dialect.name == "postgresql" and self.within is None
+        """Whether `sizes_and_deepest` answers (PostgreSQL)."""
+        return self.conn.dialect.name == "postgresql"
+
+    def _params(self, **params: Any) -> dict[str, Any]:
+        if self.within is not None:
+            params["repos"] = sorted(self.within)
+        return params
 
     def sizes_and_deepest(self, identity_key: Digest, keys: Sequence[Digest],
                           limit: int) -> tuple[list[int], int, list[Digest]]:
         """`chunk_sizes` and `deepest_holders` of the keys of one chunk size, in one query
         (only where `in_one_query`). The keys' size is a guess the sizes confirm or not."""
-        rows = self.conn.execute(_SIZES_AND_DEEPEST, {
-            "identity": str(identity_key), "keys": ",".join(str(k) for k in keys),
-            "count": len(keys), "limit": limit}).all()
+        rows = self.conn.execute(_SIZES_AND_DEEPEST[self.within is not None], self._params(
+            identity=str(identity_key), keys=",".join(str(k) for k in keys),
+            count=len(keys), limit=limit)).all()
         sizes = sorted(int(n) for part, n, _ in rows if part == 0)
         shared = next(int(n) for part, n, _ in rows if part == 1)
         return sizes, shared, [stored_digest(d, "artifact_chunks")
@@ -150,9 +169,8 @@ class PrefixLookup:
         holding the last of them, newest first; none when no key is held). One query on
         PostgreSQL; elsewhere `deepest_prefix` then `artifacts_with_keys`."""
         if self.in_one_query and keys:
-            rows = self.conn.execute(_DEEPEST_HOLDERS, {
-                "keys": ",".join(str(k) for k in keys), "count": len(keys),
-                "limit": limit}).all()
+            rows = self.conn.execute(_DEEPEST_HOLDERS[self.within is not None], self._params(
+                keys=",".join(str(k) for k in keys), count=len(keys), limit=limit)).all()
             return int(rows[0][0]), [stored_digest(d, "artifact_chunks")
                                      for _, d in rows if d is not None]
         shared = self.deepest_prefix(keys)
@@ -174,18 +192,11 @@ class PrefixLookup:
         if not keys:
             return []
         postgres = self.conn.dialect.name == "postgresql"
-        if postgres and len(keys) > 1 and self.within is None:
-            rows = self.conn.execute(_HOLDERS_OF_ANY,
-                                     {"keys": ",".join(keys), "limit": limit}).all()
+        if postgres and len(keys) > 1:
+            rows = self.conn.execute(_HOLDERS_OF_ANY[self.within is not None],
+                                     self._params(keys=",".join(keys), limit=limit)).all()
             return [(stored_digest(d, "artifact_chunks"), k) for d, k in rows]
-        if len(keys) == 1:
-            where = _C.prefix_key == keys[0]
-        elif postgres:
-            # One array parameter: an IN list of up to 255 placeholders cost the driver
-            # more to parse, each time, than PostgreSQL took to answer it.
-            where = _C.prefix_key == any_(bindparam("keys", list(keys), type_=ARRAY(String)))
-        else:
-            where = _C.prefix_key.in_(keys)
+        where = _C.prefix_key == keys[0] if len(keys) == 1 else _C.prefix_key.in_(keys)
         rows = self.conn.execute(
             _within(select(_C.artifact_digest, _C.prefix_key).where(where), self.within)
             .order_by(_C.created_at.desc(), _C.artifact_digest.desc()).limit(limit)).all()
