@@ -125,6 +125,12 @@ def test_a_scope_narrows_the_lookup_itself(registry: Registry, tmp_path: Path) -
                   repositories=RepositoryScope(("team/*",)))
     assert found is not None and found.digest == mine and found.length == 256
     assert match(registry, ident, BASE[:256], repositories=RepositoryScope(("x/*",))) is None
+    # plain names need no listing of the catalog's repositories: the same answers
+    assert RepositoryScope(("team/a", "x/y")).names == frozenset({"team/a", "x/y"})
+    assert RepositoryScope(("team/a", "t/*")).names is None
+    found = match(registry, ident, [*BASE[:256], 7], repositories=RepositoryScope(("team/a",)))
+    assert found is not None and found.digest == mine
+    assert match(registry, ident, BASE[:256], repositories=RepositoryScope(("x/y",))) is None
 
 
 @pytest.mark.parametrize("chunk", [64, 256])

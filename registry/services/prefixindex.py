@@ -54,6 +54,14 @@ class RepositoryScope:
     def __call__(self, repository: str) -> bool:
         return any(fnmatch.fnmatchcase(repository, p) for p in self.patterns)
 
+    @property
+    def names(self) -> frozenset[str] | None:
+        """The repositories themselves when every pattern is a plain name (no listing of
+        the catalog's repositories needed to match them), else None."""
+        if any(ch in p for p in self.patterns for ch in "*?["):
+            return None
+        return frozenset(self.patterns)
+
 
 class PrefixIndex(Protocol):
     def candidates(self, identity: ModelIdentity, ids: Sequence[int], limit: int,
@@ -76,8 +84,11 @@ class CatalogPrefixIndex:
 
         within = self.within
         if scope is not None:
-            within = frozenset(r for r in (repositories(self.catalog) if within is None
-                                           else within) if scope(r))
+            if within is None and scope.names is not None:  # the usual case: one name
+                within = scope.names
+            else:
+                within = frozenset(r for r in (repositories(self.catalog) if within is None
+                                               else within) if scope(r))
             if not within:
                 return
         query = struct.pack(f"<{len(ids)}q", *ids)
