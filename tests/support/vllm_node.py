@@ -13,8 +13,8 @@ from this request on), "cold" (the machine cache emptied first), "fresh_store" (
 speed forgotten: the next restore measures it again) and "free_prefill" (the engine's prefill
 estimated to cost nothing from this request on).
 
-"throttle": the node reaches the S3 store through tests/support/throttle.py's proxy, run in
-this process (KVGRAFT_S3_ENDPOINT_URL is its address). "inproc": vLLM's engine core runs in
+"throttle": the node reaches the S3 store through tests/support/throttle.py's proxy, run as
+a process of its own (KVGRAFT_S3_ENDPOINT_URL is its address). "inproc": vLLM's engine core runs in
 this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and each result also has the scheduler
 side's counters after it ("counters"), the connector's estimates ("cost") and the seconds
 the request took ("seconds": max_tokens=1 makes it the time to first token); the "rate",
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -36,12 +37,13 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     link = None
     if spec.get("throttle"):
-        from tests.support.throttle import Throttle
-
         t = spec["throttle"]
-        link = Throttle(t["host"], t["port"], bytes_per_s=t["bytes_per_s"],
-                        latency=t.get("latency", 0.0))
-        os.environ["KVGRAFT_S3_ENDPOINT_URL"] = link.url
+        link = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.throttle", t["host"], str(t["port"]),
+             str(t["bytes_per_s"]), str(t.get("latency", 0.0))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert link.stdout is not None
+        os.environ["KVGRAFT_S3_ENDPOINT_URL"] = link.stdout.readline().strip()
     if spec.get("inproc"):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -93,7 +95,9 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
                               "prefill_tokens_per_s": cost.prefill.tokens_per_s}
         results.append(result)
     if link is not None:
-        link.close()
+        assert link.stdin is not None
+        link.stdin.close()
+        link.wait(10)
     return results
 
 
@@ -103,8 +107,10 @@ def prepare(connector: Any, link: Any, item: dict[str, Any]) -> None:
 
     ctx = connector._ctx
     if item.get("rate") is not None:
-        assert link is not None, "a rate needs the throttle"
-        link.set_rate(float(item["rate"]))
+        assert link is not None and link.stdin and link.stdout, "a rate needs the throttle"
+        link.stdin.write(f"{float(item['rate'])}\n")
+        link.stdin.flush()
+        assert link.stdout.readline().strip() == "ok"
     if item.get("cold"):
         ctx.registry.cache.prune(everything=True)
     if item.get("fresh_store"):
