@@ -566,7 +566,8 @@ def test_a_step_that_loads_a_restore_does_not_measure_the_prefill_rate() -> None
         assert not step("computed", 1024, 0.05).loads
         per_token = ctx.cost.prefill.per_token
         assert ctx.cost.prefill.measured and per_token < 0.2 / 1024
-        sched._need_load["restored"] = (SimpleNamespace(end=1920), 0)
+        plan: Any = SimpleNamespace(end=1920)
+        sched._need_load["restored"] = (plan, 0)
         assert step("restored", 24, 0.3).loads  # the copy of 1920 tokens, and 24 computed
         assert ctx.cost.prefill.per_token == per_token
     finally:
