@@ -537,3 +537,38 @@ def test_scheduler_answers_off_its_thread_remembers_and_forgets(
             slow.shutdown()
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+def test_a_step_that_loads_a_restore_does_not_measure_the_prefill_rate() -> None:
+    """The copy of a restore runs in its step beside the few prompt tokens left to compute:
+    timed as prefill, it made computing look slow and restores look better than they are."""
+    from types import SimpleNamespace
+
+    from kvgraft.integrations.restorecost import RestoreCost
+    from kvgraft.integrations.vllm.scheduler import KvgraftConnectorScheduler
+
+    ctx: Any = SimpleNamespace(cost=RestoreCost(), block=BLOCK, publish=False, enabled=True,
+                               settings=SimpleNamespace(min_tokens=0))
+    sched = KvgraftConnectorScheduler(ctx)
+    try:
+        def step(rid: str, tokens: int, seconds: float) -> Any:
+            new = SimpleNamespace(req_id=rid, block_ids=[list(range(16))],
+                                  prompt_token_ids=[1] * 2048, num_computed_tokens=0)
+            out: Any = SimpleNamespace(
+                scheduled_new_reqs=[new], num_scheduled_tokens={rid: tokens},
+                total_num_scheduled_tokens=tokens,
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[]))
+            meta = sched.build_connector_meta(out)
+            time.sleep(seconds)
+            sched.step_done()
+            return meta
+
+        assert not step("computed", 1024, 0.05).loads
+        per_token = ctx.cost.prefill.per_token
+        assert ctx.cost.prefill.measured and per_token < 0.2 / 1024
+        plan: Any = SimpleNamespace(end=1920)
+        sched._need_load["restored"] = (plan, 0)
+        assert step("restored", 24, 0.3).loads  # the copy of 1920 tokens, and 24 computed
+        assert ctx.cost.prefill.per_token == per_token
+    finally:
+        sched._lookup_pool.shutdown(wait=False)

@@ -5,12 +5,20 @@ sends after the client spoke).
 
     with Throttle("127.0.0.1", 8333, bytes_per_s=10e6, latency=0.02) as link:
         env["KVGRAFT_S3_ENDPOINT_URL"] = link.url
+
+As a process of its own (its pumps then share no interpreter with the engine it serves):
+
+    python -m tests.support.throttle HOST PORT BYTES_PER_S LATENCY
+
+prints its URL, then reads a new rate (bytes/s) a line from stdin, answering "ok" to each,
+until stdin closes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import threading
 import time
 from types import TracebackType
@@ -105,3 +113,16 @@ class Throttle:
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def main(argv: list[str]) -> None:
+    host, port, rate, latency = argv
+    with Throttle(host, int(port), bytes_per_s=float(rate), latency=float(latency)) as link:
+        print(link.url, flush=True)
+        for line in sys.stdin:
+            link.set_rate(float(line))
+            print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ PROMPT = 300  # tokens: one 256-token chunk is published, 256 are restorable
 REPO = "test/vllm"
 BLOCK = 128  # vLLM's CPU block size
 NODE_TIMEOUT = 600
+SPEC_ARG_MAX = 64 * 1024
 
 
 def prompt(seed: int) -> list[int]:
@@ -48,11 +50,17 @@ def node_env(shared: dict[str, str], node: Path) -> dict[str, str]:
             "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
-def run_node(model: Path, env: dict[str, str], prompts: list[list[int] | dict[str, Any]],
+def run_node(model: Path, env: dict[str, str], prompts: Sequence[list[int] | dict[str, Any]],
              **options: Any) -> list[dict[str, Any]]:
     spec = {"model": str(model), "env": env, "prompts": prompts,
             "extra": {"repository": REPO, "restore_when": "always"}, **options}
-    proc = subprocess.run([sys.executable, "-m", "tests.support.vllm_node", json.dumps(spec)],
+    arg = json.dumps(spec)
+    if len(arg) > SPEC_ARG_MAX:  # one argument holds at most 128 KiB on Linux
+        path = Path(env["KVGRAFT_HOME"]).parent / "spec.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(arg)
+        arg = f"@{path}"
+    proc = subprocess.run([sys.executable, "-m", "tests.support.vllm_node", arg],
                           cwd=ROOT, capture_output=True, text=True, timeout=NODE_TIMEOUT)
     # vLLM logs (the connector's lines included) to stdout
     (Path(env["KVGRAFT_HOME"]).parent / "node.log").write_text(proc.stdout + proc.stderr)

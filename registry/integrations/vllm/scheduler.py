@@ -17,7 +17,7 @@ slower than computing the tokens it saves is skipped (counted as `skipped.slower
 request computes its prefill. The figures are measured here: the store's from the chunks
 fetched, the engine's prefill rate from the steps vLLM runs (from the end of a step's
 scheduling, or the previous step's output if later, to its output; a step without prompt
-tokens measures the per-step overhead).
+tokens measures the per-step overhead; a step that loads a restore measures nothing).
 """
 
 from __future__ import annotations
@@ -333,8 +333,11 @@ class KvgraftConnectorScheduler:
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             self._cached_step(meta, scheduler_output, i, rid)
+        # a step that loads a restore spends its copy besides its prompt tokens: not a
+        # measure of the prefill rate (it would make computing look slower than it is)
         self._steps.append((time.monotonic(), prompt_tokens(scheduler_output)
-                            if scheduler_output.total_num_scheduled_tokens else None))
+                            if scheduler_output.total_num_scheduled_tokens and not meta.loads
+                            else None))
         return meta
 
     def _hold_for_publish(self, rid: str, ids: list[int], blocks: list[int]) -> None:
