@@ -38,11 +38,6 @@ _SIZES_CTES = (
     " FROM sizes WHERE sizes.c IS NOT NULL)")
 _SIZES = text(f"WITH RECURSIVE {_SIZES_CTES} SELECT c FROM sizes WHERE c IS NOT NULL")
 
-# Which of the keys (by position, from 1) some artifact holds.
-_HELD = text(
-    "SELECT k.n FROM unnest(CAST(:keys AS varchar[])) WITH ORDINALITY AS k(key, n)"
-    " WHERE EXISTS (SELECT 1 FROM artifact_chunks c WHERE c.prefix_key = k.key)")
-
 # How many leading keys of a chain some artifact holds (the first key none holds ends the
 # prefix), and the newest holders of the last of them, in one query. The keys go as one
 # comma-separated string (a digest holds no comma), which costs the driver nothing to
@@ -124,14 +119,10 @@ class PrefixLookup:
             _C.prefix_key == str(key)), self.within).limit(1)).first() is not None
 
     def deepest_prefix(self, keys: Sequence[Digest]) -> int:
-        """How many leading keys of a chain are in the catalog (0..len(keys)).
-
-        PostgreSQL is asked which of the keys it holds in one query (an index seek per
-        key); elsewhere, a chain being prefix-closed (an artifact holding key c holds keys
-        0..c-1 too), a binary search needs log2(len(keys)) single-row index seeks."""
-        if self.conn.dialect.name == "postgresql" and keys and self.within is None:
-            held = set(self.conn.execute(_HELD, {"keys": [str(k) for k in keys]}).scalars())
-            return next((i for i in range(len(keys)) if i + 1 not in held), len(keys))
+        """How many leading keys of a chain are in the catalog (0..len(keys)), where
+        PostgreSQL's one-query forms do not answer: a chain being prefix-closed (an artifact
+        holding key c holds keys 0..c-1 too), a binary search of log2(len(keys))
+        single-row index seeks."""
         lo, hi = 0, len(keys)  # keys[:lo] are present; keys[hi:] are not
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -219,12 +210,6 @@ def chunk_sizes(catalog: CatalogReader, identity_key: Digest) -> list[int]:
 def has_prefix_key(catalog: CatalogReader, key: Digest, within: Within = None) -> bool:
     with prefix_lookup(catalog, within) as q:
         return q.has_prefix_key(key)
-
-
-def deepest_prefix(catalog: CatalogReader, keys: Sequence[Digest],
-                   within: Within = None) -> int:
-    with prefix_lookup(catalog, within) as q:
-        return q.deepest_prefix(keys)
 
 
 def artifacts_with_keys(catalog: CatalogReader, keys: Sequence[Digest], limit: int,
