@@ -1,5 +1,6 @@
 """Model fingerprints: what the architecture digest covers, weights hashed once per model
-directory, and a live model agreeing with the directory it was saved to."""
+directory, the tokenizer digest from its files alone, and a live model agreeing with the
+directory it was saved to."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -72,6 +74,70 @@ def test_dir_weights_hashed_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert len(calls) == 2
 
 
+def _tokenizer_dir(path: Path, files: dict[str, bytes]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    return path
+
+
+def test_tokenizer_digest_is_of_the_files_content(tmp_path: Path) -> None:
+    from kvgraft.errors import UsageError
+    from kvgraft.identity.fingerprint import NO_TOKENIZER, tokenizer_digest
+
+    model: dict[str, Any] = {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []}
+    spec: dict[str, Any] = {"model": model, "truncation": None, "padding": None,
+                            "added_tokens": []}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
+    files = {"tokenizer.json": json.dumps(spec).encode(),
+             "tokenizer_config.json": json.dumps(config).encode()}
+    base = tokenizer_digest(_tokenizer_dir(tmp_path / "base", files))
+    assert base != NO_TOKENIZER
+    assert tokenizer_digest(tmp_path / "empty") == NO_TOKENIZER  # no such directory either
+    # key order, whitespace and call-time truncation or padding are not the definition
+    padded = {**spec, "padding": {"strategy": "BatchLongest"}, "truncation": {"max_length": 8}}
+    same = {"tokenizer.json": json.dumps(padded, indent=2, sort_keys=True).encode(),
+            "tokenizer_config.json": json.dumps(config, indent=4).encode()}
+    assert tokenizer_digest(_tokenizer_dir(tmp_path / "same", same)) == base
+    changed: list[dict[str, bytes]] = [
+        {**files, "tokenizer.json": json.dumps(
+            {**spec, "model": {**model, "vocab": {"a": 1, "b": 0}}}).encode()},
+        {**files, "tokenizer_config.json": json.dumps({**config, "eos_token": "<e>"}).encode()},
+        {**files, "chat_template.jinja": b"{{ messages }}"},
+        {**files, "tokenizer.model": b"\x00"},
+        {"tokenizer.json": files["tokenizer.json"]}]
+    digests = {tokenizer_digest(_tokenizer_dir(tmp_path / f"c{i}", f))
+               for i, f in enumerate(changed)}
+    assert len(digests) == len(changed) and base not in digests
+    for bad in (b"{not json", b"\xff\xfe", b'{"x": NaN}'):
+        with pytest.raises(UsageError, match="tokenizer file"):
+            tokenizer_digest(_tokenizer_dir(tmp_path / "bad", {"tokenizer_config.json": bad}))
+
+
+def test_a_tokenizer_that_cannot_be_instantiated_still_has_an_identity(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sentencepiece model without the sentencepiece package (here: bytes nothing can
+    load) fingerprints from its bytes; no tokenizer is instantiated."""
+    pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
+    import transformers
+
+    from kvgraft.identity.fingerprint import fingerprint_dir
+    from tests.support.tinymodels import build
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a tokenizer was instantiated")
+
+    path = build(tmp_path / "m", "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (path / name).unlink(missing_ok=True)
+    (path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refuse)
+    fp = fingerprint_dir(path, cache_dir=tmp_path / "cache")
+    assert fp.tokenizer_summary == {"class": None, "files": ["tokenizer.model"]}
+    (path / "tokenizer.model").write_bytes(b"another sentencepiece model")
+    assert fingerprint_dir(path).identity.tokenizer != fp.identity.tokenizer
+
+
 def test_live_model_matches_its_directory(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="needs the [hf] extra (torch)")
     pytest.importorskip("transformers", reason="needs the [hf] extra (transformers)")
@@ -84,6 +150,7 @@ def test_live_model_matches_its_directory(tmp_path: Path) -> None:
         lm = load_model(path, cache_dir=tmp_path / "cache")
         live = fingerprint(lm.model, lm.tokenizer)  # hashes the tensors in memory
         assert live.identity == lm.fingerprint.identity
+        assert live.legacy_tokenizer not in (None, live.identity.tokenizer)
         assert fingerprint_dir(path, cache_dir=tmp_path / "cache").identity == live.identity
         assert fingerprint_dir(path, dtype="F32").identity.architecture != \
             live.identity.architecture

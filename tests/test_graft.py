@@ -214,6 +214,26 @@ def test_incompatible_models_are_refused(field: str, change: dict[str, Any], reg
     assert ok.exit_code == 0 and "compatible" in ok.stdout
 
 
+def test_grafts_made_before_the_tokenizer_files_rule_still_load(
+        registry: Registry, model_root: Path, tmp_path: Path) -> None:
+    """Their tokenizer digest is the instantiated tokenizer's definition, which a live model
+    recomputes (docs/format.md §3); another tokenizer's grafts stay refused."""
+    from dataclasses import replace
+
+    lm = loaded(registry, model_dir(model_root, "llama"))
+    legacy = lm.fingerprint.legacy_tokenizer
+    assert legacy is not None and legacy != lm.fingerprint.identity.tokenizer
+    old = replace(lm, fingerprint=replace(
+        lm.fingerprint, identity=replace(lm.fingerprint.identity, tokenizer=legacy)))
+    pushed = push_capture(registry, old, tmp_path, "t/legacy:v1")
+    assert registry.manifest(pushed.digest).model.tokenizer == legacy
+    report = verify_graft(registry, lm, "t/legacy:v1", suffix_ids=[65, 66], steps=2)
+    assert report.byte_identical, report.summary()
+    rotated = loaded(registry, model_dir(model_root, "llama", rotate=7))
+    with pytest.raises(IncompatibleModel, match="tokenizer"):
+        load_graft("t/legacy:v1", rotated, registry=registry)
+
+
 def test_force_incompatible_is_loud_and_audited(registry: Registry, model_root: Path,
                                                 tmp_path: Path, cli_env: dict[str, str]) -> None:
     base = loaded(registry, model_dir(model_root, "llama"))

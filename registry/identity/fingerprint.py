@@ -2,8 +2,12 @@
 
 - architecture: SHA-256 of the canonical JSON of every config field that decides the KV
   layout or what the cached numbers mean, plus the KV dtype (`kv_config`).
-- tokenizer: SHA-256 of the canonical tokenizer definition (the tokenizers JSON: vocabulary,
-  merges, normalizer, pre-tokenizer, post-processor, added tokens) and the special tokens.
+- tokenizer: SHA-256 of the tokenizer files' contents (tokenizer.json, tokenizer.model,
+  tokenizer_config.json, special tokens, vocabularies), read as bytes: no tokenizer is
+  instantiated, so a model whose tokenizer needs an optional package, or that has no
+  tokenizer files at all, still has an identity. Grafts made before this rule carry the
+  digest of the instantiated tokenizer's definition (`legacy_tokenizer_digest`), which a
+  live model recomputes so they still load (docs/format.md §3).
 - weights: SHA-256 of the sorted list of (name, dtype, shape, SHA-256 of the bytes) of every
   stored tensor. A model directory's files are hashed once and the per-file results cached
   under the kvgraft cache keyed by file size and mtime, so grafting never rehashes weights.
@@ -62,6 +66,9 @@ class Fingerprint:
     config: Mapping[str, Any]
     name: str = ""
     tokenizer_summary: Mapping[str, Any] = field(default_factory=dict)
+    # the tokenizer digest grafts made before the files rule carry (docs/format.md §3),
+    # known only where a tokenizer was instantiated anyway; never part of the identity
+    legacy_tokenizer: Digest | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**self.identity.to_json(), "name": self.name, "config": dict(self.config),
@@ -134,7 +141,8 @@ def architecture_digest(config: Mapping[str, Any]) -> Digest:
 
 
 def tokenizer_definition(tokenizer: Any) -> dict[str, Any]:
-    """The canonical definition of a (fast) Hugging Face tokenizer."""
+    """The canonical definition of an instantiated Hugging Face tokenizer: what the legacy
+    tokenizer digest hashes."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         spec = json.loads(backend.to_str())
@@ -146,20 +154,62 @@ def tokenizer_definition(tokenizer: Any) -> dict[str, Any]:
     return {"tokenizer": spec, "special_tokens": _plain(dict(specials))}
 
 
-def tokenizer_digest(tokenizer: Any) -> Digest:
+def legacy_tokenizer_digest(tokenizer: Any) -> Digest:
+    """The tokenizer digest of grafts made before the files rule (docs/format.md §3)."""
     return Digest.of(canonical_json(tokenizer_definition(tokenizer)))
 
 
-# the files a Hugging Face tokenizer is loaded from (sentencepiece, fast, and their
-# configuration): a model directory with none of them has no tokenizer
+# the files a Hugging Face tokenizer is loaded from (sentencepiece, fast, their
+# configuration and chat template, which transformers 5 keeps apart): a model directory
+# with none of them has no tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json", "vocab.json", "merges.txt", "vocab.txt")
+                   "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                   "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json")
 # the explicit identity of "no tokenizer": such a model is served token ids only
 NO_TOKENIZER = Digest.of(canonical_json({"tokenizer": None}))
+_MAX_TOKENIZER_FILE = 512 * MiB
 
 
-def has_tokenizer_files(model_dir: Path) -> bool:
-    return any((model_dir / name).is_file() for name in TOKENIZER_FILES)
+def tokenizer_files_present(model_dir: Path) -> list[str]:
+    return [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
+
+
+def _tokenizer_file_digest(path: Path) -> Digest:
+    """A JSON file hashes as its canonical JSON (so formatting and key order do not count,
+    nor tokenizer.json's call-time truncation and padding); any other file as its bytes."""
+    if path.suffix != ".json":
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(_BLOCK):
+                h.update(block)
+        return Digest.from_hasher(h)
+    data = read_bounded(path, _MAX_TOKENIZER_FILE, "tokenizer file")
+    try:
+        value = json.loads(data)
+    except ValueError as e:  # not JSON or not UTF-8
+        raise UsageError(f"tokenizer file {path} is not valid JSON: {e}") from None
+    if path.name == "tokenizer.json" and isinstance(value, dict):
+        for key in _TOKENIZER_RUNTIME_KEYS:
+            value.pop(key, None)
+    try:
+        return Digest.of(canonical_json(value))
+    except ValueError:  # NaN or infinity: canonical JSON has no form for them
+        raise UsageError(f"tokenizer file {path} holds a number JSON cannot say") from None
+
+
+def tokenizer_files(model_dir: Path) -> dict[str, Digest]:
+    """The digest of each tokenizer file present in a model directory, by file name."""
+    return {name: _tokenizer_file_digest(model_dir / name)
+            for name in tokenizer_files_present(model_dir)}
+
+
+def tokenizer_digest(model_dir: Path) -> Digest:
+    """The tokenizer digest of a model directory, from its files' contents alone;
+    `NO_TOKENIZER` for a directory without tokenizer files."""
+    files = tokenizer_files(model_dir)
+    if not files:
+        return NO_TOKENIZER
+    return Digest.of(canonical_json({"tokenizer_files": {k: str(v) for k, v in files.items()}}))
 
 
 def _tokenizer_summary(tokenizer: Any) -> dict[str, Any]:
@@ -167,6 +217,20 @@ def _tokenizer_summary(tokenizer: Any) -> dict[str, Any]:
     return {"class": type(tokenizer).__name__,
             "vocab_size": int(vocab) if isinstance(vocab, int) else None,
             "size": len(tokenizer) if hasattr(tokenizer, "__len__") else None}
+
+
+def _dir_tokenizer_summary(model_dir: Path) -> dict[str, Any]:
+    """What a model directory says of its tokenizer, read from its files (informative)."""
+    files = sorted(tokenizer_files_present(model_dir))
+    config = model_dir / "tokenizer_config.json"
+    cls = None
+    if config.is_file():
+        try:
+            value = json.loads(config.read_bytes())
+            cls = value.get("tokenizer_class") if isinstance(value, dict) else None
+        except ValueError:
+            cls = None
+    return {"class": cls if isinstance(cls, str) else None, "files": files}
 
 
 # --- weights -----------------------------------------------------------------------------
@@ -320,16 +384,24 @@ def live_weights_digest(model: Any) -> Digest:
 def fingerprint(model: Any, tokenizer: Any, *, weights_dir: Path | None = None,
                 cache_dir: Path | None = None) -> Fingerprint:
     """The identity of a live model. With `weights_dir`, the weights digest is that of the
-    directory the model was loaded from (cached); otherwise the tensors in memory are hashed."""
+    directory the model was loaded from (cached); otherwise the tensors in memory are hashed.
+    The tokenizer digest is that of the files the tokenizer was loaded from (`weights_dir`,
+    else the tokenizer's own `name_or_path`)."""
     kv_dtype = torch_dtype_name(model.dtype)
     config = kv_config(model.config, kv_dtype)
     if weights_dir is not None:
         weights = dir_weights_digest(weights_dir, cache_dir)
     else:
         weights = live_weights_digest(model)
-    identity = ModelIdentity(architecture_digest(config), tokenizer_digest(tokenizer), weights)
+    source = weights_dir or Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if not str(source) or not source.is_dir():
+        raise UsageError("the tokenizer was not loaded from a local directory, so its files "
+                         "cannot be hashed",
+                         hint="load it with from_pretrained(<model directory>)")
+    identity = ModelIdentity(architecture_digest(config), tokenizer_digest(source), weights)
     name = str(getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", ""))
-    return Fingerprint(identity, config, name, _tokenizer_summary(tokenizer))
+    return Fingerprint(identity, config, name, _tokenizer_summary(tokenizer),
+                       legacy_tokenizer_digest(tokenizer))
 
 
 def dir_dtype(config: Any) -> str:
@@ -349,16 +421,12 @@ def fingerprint_dir(path: Path | str, *, dtype: str | None = None,
     if not (model_dir / "config.json").is_file():
         raise UsageError(f"not a model directory (no config.json): {model_dir}")
     try:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
     except ImportError:
         raise MissingExtra("fingerprinting a model directory", "hf") from None
     config = AutoConfig.from_pretrained(model_dir)
     kv = kv_config(config, dtype or dir_dtype(config))
     name = str(getattr(config, "_name_or_path", "") or model_dir.name)
     weights = dir_weights_digest(model_dir, cache_dir)
-    if not has_tokenizer_files(model_dir):  # served token ids only: nothing to instantiate
-        return Fingerprint(ModelIdentity(architecture_digest(kv), NO_TOKENIZER, weights), kv,
-                           name, {"class": None, "vocab_size": None, "size": None})
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    identity = ModelIdentity(architecture_digest(kv), tokenizer_digest(tokenizer), weights)
-    return Fingerprint(identity, kv, name, _tokenizer_summary(tokenizer))
+    identity = ModelIdentity(architecture_digest(kv), tokenizer_digest(model_dir), weights)
+    return Fingerprint(identity, kv, name, _dir_tokenizer_summary(model_dir))
