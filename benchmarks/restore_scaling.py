@@ -78,7 +78,7 @@ def run(report: Report, tokens: int = 8192, repeats: int = 5) -> None:
                   for _ in range(LAYERS)]
         views = [paged.block_view(c, HEADS, BLOCK, DIM, torch.bfloat16, isa="vec")
                  for c in caches]
-        target = restore.Target(views, BLOCK, list(range(blocks)), 0, tokens, 2)
+        target = restore.Target(views, BLOCK, list(range(blocks)), 0, tokens, 2, slice(None))
         kept: list[bytearray] = []
         mb = 2 * LAYERS * HEADS * DIM * tokens * 2 / 1e6
         sha_mb_s, copy_mb_s = _limits(max(c[3] for c in chunks) * 8)

@@ -160,22 +160,32 @@ def test_head_size_80_restores_exactly_on_the_vec16_kernels(tmp_path: Path) -> N
     assert b[0]["cached"] == 256  # restored, not computed
     assert b[0]["tokens"] == a[1]["tokens"]
     assert b[0]["logprobs"] == a[1]["logprobs"]  # exact, not approximately
+    m = _pulled(shared, home, tmp_path / "graft.kv")
+    assert m.provenance["engine"]["attention_isa"] == "vec16"
+    assert m.model_config["head_dim"] == 80
+    _assert_graft_is_a_prefill(tmp_path / "graft.kv", model, home, Q1[:256])
+
+
+def _pulled(shared: dict[str, str], home: Path, graft: Path) -> Any:
+    """The manifest of the graft of Q1's first 256 tokens, pulled to `graft`, after one
+    restore of all 256 of them."""
     reg = Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
                           blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
     try:
         m = reg.manifest(published(reg, Q1))
-        assert m.provenance["engine"]["attention_isa"] == "vec16"
-        assert m.model_config["head_dim"] == 80
         restores = [e for e in reg.log(action="restore") if e.outcome == "ok"]
         assert [e.detail["tokens"] for e in restores] == [256]
-        graft = tmp_path / "graft.kv"
         reg.pull(f"{REPO}@{m.digest}", graft)
+        return m
     finally:
         reg.close()
-    # A restore on the engine that published undoes the publish's copy whatever the layout
-    # (the two copies are inverses): transformers' prefill of the same model checks what the
-    # published bytes mean. To bf16 rounding (other kernels); a block's keys read in
-    # another layout are off by the keys' own size.
+
+
+def _assert_graft_is_a_prefill(graft: Path, model: Path, home: Path, ids: list[int]) -> None:
+    """A restore on the engine that published undoes the publish's copy whatever the layout
+    (the two copies are inverses): transformers' prefill of the same model checks what the
+    published bytes mean. To bf16 rounding (other kernels); a block's keys read in another
+    layout, or another rank's heads, are off by the keys' own size."""
     import torch
 
     from kvgraft.formats.kvfile import read_layout
@@ -184,13 +194,45 @@ def test_head_size_80_restores_exactly_on_the_vec16_kernels(tmp_path: Path) -> N
 
     data = graft.read_bytes()
     lm = load_model(model, cache_dir=home / "cache")
-    cache, _ = prefill(lm, Q1[:256])
-    for layer, (k, v, _) in zip(read_layout(graft).layers, cache_tensors(cache, 256),
+    cache, _ = prefill(lm, ids)
+    for layer, (k, v, _) in zip(read_layout(graft).layers, cache_tensors(cache, len(ids)),
                                 strict=True):
         for info, want in ((layer.key, k), (layer.value, v)):
             got = torch.frombuffer(bytearray(data[info.begin : info.end]),
                                    dtype=torch.bfloat16).view(info.shape)
             torch.testing.assert_close(got.float(), want.float(), atol=0.03, rtol=0)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_restore_and_publish_their_heads(tmp_path: Path) -> None:
+    """Two ranks, one KV head each (vLLM's CPU workers, each bound to a core of its own):
+    a graft keeps both heads, each rank restores its own, and the restore is exact against
+    the publishing engine's two-step reference. The tensor-parallel size is part of the
+    engine identity: an engine without parallelism never restores it."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("two tensor-parallel ranks need two cores")
+    model = node_model(tmp_path / "m", 0)  # 2 KV heads
+    home = tmp_path / "inspector"
+    shared = {"KVGRAFT_CATALOG_URL": f"sqlite:///{tmp_path / 'catalog.db'}",
+              "KVGRAFT_BLOB_URL": (tmp_path / "blobs").as_uri()}
+    Catalog.open(shared["KVGRAFT_CATALOG_URL"], auto_upgrade=True).close()
+    # vLLM binds each rank's threads to a NUMA node of its own unless told the cores
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"}
+    a = run_node(model, {**node_env(shared, tmp_path / "a"), **bind}, [Q1, Q1],
+                 tensor_parallel=2)
+    assert a[0]["cached"] == 0 and a[1]["cached"] == 256
+    b = run_node(model, {**node_env(shared, tmp_path / "b"), **bind}, [Q1],
+                 tensor_parallel=2, prefix_caching=False)
+    assert b[0]["cached"] == 256  # restored, not computed
+    assert b[0]["tokens"] == a[1]["tokens"]
+    assert b[0]["logprobs"] == a[1]["logprobs"]  # exact, not approximately
+    m = _pulled(shared, home, tmp_path / "graft.kv")
+    assert m.provenance["engine"]["tensor_parallel_size"] == 2
+    assert m.model_config["num_key_value_heads"] == 2
+    _assert_graft_is_a_prefill(tmp_path / "graft.kv", model, home, Q1[:256])
+    c = run_node(model, node_env(shared, tmp_path / "c"), [Q1], prefix_caching=False)
+    assert c[0]["cached"] == 0  # another identity: computed
 
 
 @pytest.fixture

@@ -224,7 +224,8 @@ def test_lookup_searches_only_the_configured_repositories(tmp_path: Path) -> Non
 def test_unservable_layouts_disable_both_sides_at_construction(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str) -> None:
     """Decided from the configuration each side is constructed with, so the scheduler side
-    never promises a load the worker side cannot do."""
+    never promises a load the worker side cannot do. Tensor parallelism is served when the
+    ranks divide the KV heads (test_vllm.py); 4 ranks for 2 heads would replicate them."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -234,7 +235,7 @@ def test_unservable_layouts_disable_both_sides_at_construction(
     if why == "kernel":
         monkeypatch.setattr(paged, "attention_isa", lambda *a: "neon")
     else:  # set after construction: vLLM's own checks would want the ranks' devices
-        setattr(parallel, f"{why}_size", 2)
+        setattr(parallel, f"{why}_size", 4 if why == "tensor_parallel" else 2)
     config = VllmConfig(
         model_config=ModelConfig(model=str(node_model(tmp_path / "m", 0)), skip_tokenizer_init=True,
                                  dtype="bfloat16", max_model_len=1024, enforce_eager=True),

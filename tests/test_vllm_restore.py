@@ -49,7 +49,7 @@ def _restore(reg: Registry, chunks: list[restore.Chunk], threads: int, hot: HotC
     views = [paged.block_view(c, HEADS, BLOCK, DIM, torch.bfloat16, isa="vec") for c in caches]
     reader = restore.Reader(Fetcher(reg.store, reg.cache, keep_decoded=True), hot,
                             restore.buffers(threads, max(c[3] for c in chunks), []))
-    target = restore.Target(views, BLOCK, blocks, start, TOKENS, 2)
+    target = restore.Target(views, BLOCK, blocks, start, TOKENS, 2, slice(None))
     todo = [c for c in chunks if c[1] > start]
     done = restore.load(reader, target, todo, threads)
     assert sum(w for w, _ in done) == 2 * LAYERS * HEADS * DIM * (TOKENS - start) * 2

@@ -63,7 +63,9 @@ def run_node(model: Path, env: dict[str, str], prompts: Sequence[list[int] | dic
     proc = subprocess.run([sys.executable, "-m", "tests.support.vllm_node", arg],
                           cwd=ROOT, capture_output=True, text=True, timeout=NODE_TIMEOUT)
     # vLLM logs (the connector's lines included) to stdout
-    (Path(env["KVGRAFT_HOME"]).parent / "node.log").write_text(proc.stdout + proc.stderr)
+    log = Path(env["KVGRAFT_HOME"]).parent / "node.log"
+    log.parent.mkdir(parents=True, exist_ok=True)  # a node that failed early made none
+    log.write_text(proc.stdout + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVGRAFT-RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     result: list[dict[str, Any]] = json.loads(lines[-1].split(" ", 1)[1])

@@ -3,7 +3,7 @@
 The model part is computed from vLLM's model directory with the same fingerprint code as
 the transformers integration (`fingerprint_dir`), so the two agree on architecture,
 tokenizer and weights. The engine part (vLLM and torch versions, attention backend, device,
-block size, KV dtype) is folded into the architecture digest: KV computed by one engine is
+block size, KV dtype, tensor-parallel size) is folded into the architecture digest: KV computed by one engine is
 not byte-exact in another, so an engine's prefix lookups (whose keys are seeded by the
 identity) only ever find grafts that engine can restore exactly. `plain` is the identity
 without the engine, the one transformers grafts of the same model carry.
@@ -45,19 +45,29 @@ def _dtype_name(dtype: Any) -> str:
     return _DTYPES[text]
 
 
+def tensor_parallel_size(vllm_config: Any) -> int:
+    return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1))
+
+
 def check_served(vllm_config: Any) -> None:
     """Refuse, at construction and so on both sides alike, an engine whose KV the worker
-    side cannot read or write: a parallel layout (each rank holds a slice of the heads or
-    of the layers; the copies move whole layers of all heads) or a kernel family whose
-    paged layout the copies do not implement. The scheduler side never promises a load
-    the worker side would then fail."""
+    side cannot read or write: pipeline stages (each holds some of the layers), tensor
+    parallelism that replicates KV heads (more ranks than heads, or heads that do not
+    divide), or a kernel family whose paged layout the copies do not implement. The
+    scheduler side never promises a load the worker side would then fail."""
     from kvgraft.integrations.vllm.paged import KNOWN_ISAS, attention_isa
 
     par = vllm_config.parallel_config
-    sizes = {"tensor_parallel_size": int(getattr(par, "tensor_parallel_size", 1)),
-             "pipeline_parallel_size": int(getattr(par, "pipeline_parallel_size", 1))}
-    if any(n != 1 for n in sizes.values()):
-        raise UsageError(f"parallel layouts are not supported ({sizes})")
+    stages = int(getattr(par, "pipeline_parallel_size", 1))
+    if stages != 1:
+        raise UsageError(f"pipeline parallelism is not supported (pipeline_parallel_size "
+                         f"{stages})")
+    tp = tensor_parallel_size(vllm_config)
+    heads = int(vllm_config.model_config.get_total_num_kv_heads())
+    if tp < 1 or heads % tp:
+        raise UsageError(f"tensor_parallel_size {tp} does not divide the model's {heads} KV "
+                         "heads (vLLM replicates heads then; the connector moves each rank's "
+                         "own slice)")
     model = vllm_config.model_config
     isa = attention_isa(model.dtype, int(vllm_config.cache_config.block_size),
                         int(model.get_head_size()))
@@ -77,10 +87,17 @@ def engine_info(vllm_config: Any, backend: str) -> dict[str, Any]:
     model = vllm_config.model_config
     # the kernels' ISA decides the KV's bytes (and the paged key layout the copies convert)
     isa = attention_isa(model.dtype, int(cache.block_size), int(model.get_head_size()))
-    return {"name": "vllm", "version": str(vllm.__version__), "torch": str(torch.__version__),
+    info = {"name": "vllm", "version": str(vllm.__version__), "torch": str(torch.__version__),
             "attention_backend": backend, "attention_isa": isa,
             "device": str(current_platform.device_type),
             "block_size": int(cache.block_size), "cache_dtype": str(cache.cache_dtype)}
+    # Each rank computes its heads with a slice of the weights, so KV computed at one
+    # tensor-parallel size need not be byte-exact at another. Absent at 1, so the grafts of
+    # engines without parallelism keep their identity.
+    tp = tensor_parallel_size(vllm_config)
+    if tp != 1:
+        info["tensor_parallel_size"] = tp
+    return info
 
 
 def model_dir(vllm_config: Any) -> Path:

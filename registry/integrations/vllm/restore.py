@@ -80,6 +80,7 @@ class Target:
     start: int
     end: int
     itemsize: int  # bytes of one KV element
+    heads: slice  # the graft's KV heads the views hold (a tensor-parallel rank's own)
 
 
 def load(reader: Reader, target: Target, chunks: Sequence[Chunk],
@@ -112,15 +113,15 @@ def _load_chunk(reader: Reader, target: Target, chunk: Chunk) -> tuple[int, floa
         bs = target.block_size
         blocks = target.block_ids[lo // bs : hi // bs]
         return write(view, target.views, blocks, lo - c_start, hi - c_start,
-                     target.itemsize), tr
+                     target.itemsize, target.heads), tr
     finally:
         reader.free.put(buf)
 
 
 def write(view: memoryview, layers: Sequence[paged.PagedLayer], blocks: Sequence[int],
-          a: int, b: int, itemsize: int) -> int:
-    """Copy tokens [a, b) of a chunk (a KV file's bytes) into `blocks`, every layer; bytes
-    written."""
+          a: int, b: int, itemsize: int, heads: slice) -> int:
+    """Copy tokens [a, b) of a chunk (a KV file's bytes), KV heads `heads` of it, into
+    `blocks`, every layer; bytes written."""
     hlen = int.from_bytes(view[:8], "little")
     header = json.loads(bytes(view[8 : 8 + hlen]))
     base = 8 + hlen
@@ -131,7 +132,7 @@ def write(view: memoryview, layers: Sequence[paged.PagedLayer], blocks: Sequence
             entry = header[f"layers.{i}.{part}"]
             t = paged.array_from(view, base + entry["data_offsets"][0],
                                  tuple(entry["shape"]), itemsize)
-            kv.append(t[:, a:b])
+            kv.append(t[heads, a:b])
         paged.scatter(dst, blocks, kv[0], kv[1])
         written += 2 * kv[0].nbytes
     return written

@@ -5,6 +5,12 @@ A restore reads each chunk back from memory or the machine cache (verified again
 and writes it into vLLM's paged blocks before the forward starts. Publishing (whole blocks)
 copies the computed blocks out during the forward and stores them from a background
 thread, off the request path.
+
+Under tensor parallelism each rank holds a contiguous slice of the KV heads (vLLM's
+QKVParallelLinear gives rank r heads [r * h, (r + 1) * h) of h per rank). A graft keeps
+all heads: each rank restores its own slice of it, and a publish gathers every rank's
+slice (one collective over the tensor-parallel group, which every rank enters: the
+scheduler's metadata is the same on all of them) and rank 0 stores it.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class KvgraftConnectorWorker:
         self._bufs: list[bytearray] = []
         self._threads = restore.default_threads()
         self._hot = HotChunks(ctx.settings.memory_cache_mb * MiB)
+        self._ranks, self._rank = 1, 0  # tensor-parallel size and this worker's rank
+        self._heads = slice(None)  # the KV heads this rank holds
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         ident = self.ctx.ident
@@ -48,8 +56,11 @@ class KvgraftConnectorWorker:
                                                         ))
             if len(names) != ident.layers:
                 raise RegistryError(f"{len(names)} paged KV layers, model has {ident.layers}")
+            self._ranks, self._rank = _tensor_parallel_rank()
+            per = ident.kv_heads // self._ranks
+            self._heads = slice(self._rank * per, (self._rank + 1) * per)
             dtype = paged.TORCH_DTYPES[ident.kv_dtype]
-            self._views = [paged.block_view(kv_caches[n], ident.kv_heads, self.ctx.block,
+            self._views = [paged.block_view(kv_caches[n], per, self.ctx.block,
                                             ident.head_dim, dtype) for n in names]
         except Exception as e:
             self.ctx.disable("connector disabled (paged KV layout)", e)
@@ -76,7 +87,7 @@ class KvgraftConnectorWorker:
                                 self._hot, restore.buffers(threads, max(c[3] for c in todo),
                                                            self._bufs))
         target = restore.Target(self._views, self.ctx.block, spec.block_ids, spec.start,
-                                spec.plan.end, self._views[0].dtype.itemsize)
+                                spec.plan.end, self._views[0].dtype.itemsize, self._heads)
         hits0 = self._hot.hits
         done = restore.load(reader, target, todo, threads)
         # hits: approximate if two restores overlap (a log figure)
@@ -87,13 +98,15 @@ class KvgraftConnectorWorker:
         written = sum(w for w, _ in done)
         waited = sum(r for _, r in done)
         tokens = spec.plan.end - spec.start
-        self.ctx.counters.add("restored")
-        self.ctx.counters.add("restored_tokens", tokens)
         log.info("kvgraft: restored %d tokens of %s into %d blocks (%.1f MB in %.4f s; "
                  "%.4f thread-s reading and verifying chunks, the rest copying; "
                  "%d of %d chunks from memory)",
                  tokens, spec.plan.digest, len(spec.block_ids),
                  written / 1e6, seconds, waited, in_memory, chunks)
+        if self._rank != 0:  # one restore of the request: counted and recorded once
+            return
+        self.ctx.counters.add("restored")
+        self.ctx.counters.add("restored_tokens", tokens)
         self.ctx.record("restore", spec.plan.digest, "ok", {
             "request": spec.req_id, "tokens": tokens,
             "prefix_tokens": spec.plan.end, "bytes": written, "seconds": round(seconds, 6),
@@ -116,6 +129,10 @@ class KvgraftConnectorWorker:
         registry = self.ctx.registry
         for spec in meta.saves:
             layers = self._saving.pop(spec.req_id, [])
+            if self._ranks > 1:  # every rank enters the collective, whatever it then does
+                layers = _all_heads(layers)
+                if self._rank != 0:
+                    continue
             ident = self.ctx.keyed(spec.key)
             if registry is None or ident is None or len(layers) != ident.layers:
                 continue
@@ -145,3 +162,27 @@ class KvgraftConnectorWorker:
 
     def shutdown(self) -> None:
         self.ctx.close()
+
+
+def _tensor_parallel_rank() -> tuple[int, int]:
+    """(tensor-parallel size, this worker's rank)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+
+
+def _all_heads(layers: list[tuple[torch.Tensor, torch.Tensor]],
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's [heads, tokens, head_dim] slices of every layer, joined in rank order
+    into all heads: one all-gather for all layers."""
+    from vllm.distributed import get_tp_group
+
+    if not layers:
+        return layers
+    mine = torch.stack([t for kv in layers for t in kv])  # [2 * layers, heads, tokens, dim]
+    joined = get_tp_group().all_gather(mine, dim=1)
+    return [(joined[2 * i].contiguous(), joined[2 * i + 1].contiguous())
+            for i in range(len(layers))]
