@@ -4,7 +4,7 @@ Rows are printed as they come and written to .bench/results.json; .bench/report.
 shows them in plots (benchmarks.report).
     python -m benchmarks.run [--size-mib 1024] [--quick]
         [--only startup,core,s3,s3link,codec,graft,server,load,vllm,vllm-passes,restore,
-                llamacpp,catalog]
+                llamacpp,cross-engine,catalog]
 --quick: the catalog at 10k and 100k chunk rows only (not 1M).
 """
 
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024, help="KV file size for push/pull")
     parser.add_argument("--only",
                         default="startup,core,s3,s3link,codec,graft,server,load,vllm,"
-                                "vllm-passes,restore,llamacpp,catalog")
+                                "vllm-passes,restore,llamacpp,cross-engine,catalog")
     parser.add_argument("--quick", action="store_true",
                         help="the catalog at 10k and 100k chunk rows only")
     args = parser.parse_args()
@@ -86,6 +86,10 @@ def main() -> None:
         from benchmarks import llamacpp
 
         llamacpp.run(report, WORKDIR)
+    if "cross-engine" in wanted:
+        from benchmarks import cross_engine
+
+        cross_engine.run(report, WORKDIR)
     if "catalog" in wanted:
         from benchmarks import catalog_scale
 
