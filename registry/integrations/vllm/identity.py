@@ -3,10 +3,11 @@
 The model part is computed from vLLM's model directory with the same fingerprint code as
 the transformers integration (`fingerprint_dir`), so the two agree on architecture,
 tokenizer and weights. The engine part (vLLM and torch versions, attention backend, device,
-block size, KV dtype, tensor-parallel size) is folded into the architecture digest: KV computed by one engine is
-not byte-exact in another, so an engine's prefix lookups (whose keys are seeded by the
-identity) only ever find grafts that engine can restore exactly. `plain` is the identity
-without the engine, the one transformers grafts of the same model carry.
+block size, KV dtype, tensor-parallel size) is folded into the architecture digest: KV
+computed by one engine is not byte-exact in another, so an engine's prefix lookups (whose
+keys are seeded by the identity) only ever find grafts that engine can restore exactly.
+`plain` is the identity without the engine, the one transformers grafts of the same model
+carry.
 """
 
 from __future__ import annotations
