@@ -208,7 +208,8 @@ def test_tensor_parallel_ranks_restore_and_publish_their_heads(tmp_path: Path) -
     """Two ranks, one KV head each (vLLM's CPU workers, each bound to a core of its own):
     a graft keeps both heads, each rank restores its own, and the restore is exact against
     the publishing engine's two-step reference. The tensor-parallel size is part of the
-    engine identity: an engine without parallelism never restores it."""
+    engine identity: an engine without parallelism restores it only when cross-layout
+    restores are allowed (its figures printed: approximate, not asserted)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("two tensor-parallel ranks need two cores")
@@ -231,8 +232,28 @@ def test_tensor_parallel_ranks_restore_and_publish_their_heads(tmp_path: Path) -
     assert m.provenance["engine"]["tensor_parallel_size"] == 2
     assert m.model_config["num_key_value_heads"] == 2
     _assert_graft_is_a_prefill(tmp_path / "graft.kv", model, home, Q1[:256])
-    c = run_node(model, node_env(shared, tmp_path / "c"), [Q1], prefix_caching=False)
-    assert c[0]["cached"] == 0  # another identity: computed
+    # engines without parallelism, consumers only: another identity, so computed (c's
+    # second prompt is its own two-step reference, from vLLM's prefix cache) ...
+    c = run_node(model, node_env(shared, tmp_path / "c"), [Q1[:256], Q1], role="kv_consumer")
+    assert c[0]["cached"] == 0 and c[1]["cached"] == 256
+    # ... unless cross-layout restores are allowed: then restored, approximate
+    d = run_node(model, node_env(shared, tmp_path / "d"), [Q1], prefix_caching=False,
+                 role="kv_consumer", extra={"repository": REPO, "restore_when": "always",
+                                            "allow_cross_layout": True})
+    assert d[0]["cached"] == 256
+    reg = Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
+                          blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
+    try:
+        crossed = [e.detail["cross_layout"] for e in reg.log(action="restore")]
+        assert sorted(crossed) == [False, True]  # b's exact restore, d's across layouts
+    finally:
+        reg.close()
+    tokens = list(zip(c[1]["tokens"], d[0]["tokens"], strict=True))
+    agree = next((i for i, (x, y) in enumerate(tokens) if x != y), len(tokens))
+    gap = max(abs(x - y) for x, y in zip(c[1]["logprobs"][:agree + 1],
+                                          d[0]["logprobs"][:agree + 1], strict=True))
+    print(f"cross-layout restore (TP=2 graft, TP=1 engine): the first {agree} of "
+          f"{len(tokens)} greedy tokens equal, largest logprob difference {gap:.3g}")
 
 
 @pytest.fixture
@@ -336,7 +357,11 @@ def test_publish_lookup_prefetch(tmp_path: Path, catalog_url: str) -> None:
 
     from kvgraft.identity.fingerprint import architecture_digest, fingerprint_dir
     from kvgraft.identity.model import ModelIdentity
-    from kvgraft.integrations.vllm.identity import EngineIdentity
+    from kvgraft.integrations.vllm.identity import (
+        EngineIdentity,
+        at_tensor_parallel,
+        other_layouts,
+    )
     from kvgraft.integrations.vllm.store import lookup, plan_restore, prefetch, publish
 
     fp = fingerprint_dir(node_model(tmp_path / "m", 0), dtype="BF16")
@@ -362,10 +387,24 @@ def test_publish_lookup_prefetch(tmp_path: Path, catalog_url: str) -> None:
         digest = publish(a, ident, REPO, 256, Q1[:256], layers)
         found = lookup(b, ident, Q1, False)
         assert found is not None and found[0].digest == digest and found[1] == 256
-        plan = plan_restore(found[0], 256, 256, False)
+        assert found[2] is None  # exact
+        plan = plan_restore(found[0], 256, 256, None)
         assert prefetch(b, plan) > 0 and prefetch(b, plan) == 0  # then from the cache
         other = dataclasses.replace(ident, identity=ident.plain)  # a transformers engine
         assert lookup(b, other, Q1, False) is None
+        # a graft published at tensor-parallel size 2 (the model has 2 KV heads) is taken
+        # only by a cross-layout restore, and the engine's own graft wins over it
+        tp2 = at_tensor_parallel(ident, 2)
+        assert tp2.identity != ident.identity and tp2.engine["tensor_parallel_size"] == 2
+        assert at_tensor_parallel(tp2, 1) == ident
+        assert [o.identity for o in other_layouts(tp2)] == [ident.identity]
+        across = publish(a, tp2, REPO, 256, Q2[:256], layers)
+        publish(a, tp2, REPO, 256, Q1[:256], layers)
+        assert lookup(b, ident, Q2, False) is None
+        found = lookup(b, ident, Q2, False, allow_cross_layout=True)
+        assert found is not None and found[0].digest == across and found[1:] == (256, "layout")
+        found = lookup(b, ident, Q1, False, allow_cross_layout=True)
+        assert found is not None and found[0].digest == digest and found[2] is None
     finally:
         a.close()
         b.close()
@@ -498,6 +537,10 @@ def test_settings_refuse_unknown_keys_and_align_chunks(tmp_path: Path,
         with pytest.raises(UsageError, match="memory_cache_mb"):
             Settings.parse({"memory_cache_mb": bad})
     assert Settings.parse({"memory_cache_mb": 0}).memory_cache_mb == 0
+    for flag in ("allow_cross_engine", "allow_cross_layout"):
+        with pytest.raises(UsageError, match=flag):
+            Settings.parse({flag: "false"})  # a string, not a boolean: never taken as true
+        assert getattr(Settings.parse({flag: True}), flag) is True
     s = Settings.parse({"repository": "team/x", "blob_url": "file:///tmp/x"})
     assert s.repository == "team/x" and s.overrides == {"blob_url": "file:///tmp/x"}
     assert aligned_chunk_tokens(256, 128) == 256

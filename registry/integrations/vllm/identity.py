@@ -12,6 +12,7 @@ carry.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,28 @@ def engine_info(vllm_config: Any, backend: str) -> dict[str, Any]:
     if tp != 1:
         info["tensor_parallel_size"] = tp
     return info
+
+
+def at_tensor_parallel(ident: EngineIdentity, size: int) -> EngineIdentity:
+    """`ident` as the same engine would have it at another tensor-parallel size: the
+    identity a graft published at that size carries (its request key kept)."""
+    engine = {k: v for k, v in ident.engine.items() if k != "tensor_parallel_size"}
+    if size != 1:
+        engine["tensor_parallel_size"] = size
+    config = {**ident.config, "engine": engine}
+    return dataclasses.replace(
+        ident, config=config, engine=engine,
+        identity=ModelIdentity(architecture_digest(config), ident.identity.tokenizer,
+                               ident.identity.weights))
+
+
+def other_layouts(ident: EngineIdentity) -> list[EngineIdentity]:
+    """`ident` at every other tensor-parallel size the model's KV heads allow, smallest
+    first: the grafts a cross-layout restore may take. Each holds all heads, so any of
+    them fits this engine's ranks; its bytes are another layout's computation."""
+    own = int(ident.engine.get("tensor_parallel_size", 1))
+    return [at_tensor_parallel(ident, n) for n in range(1, ident.kv_heads + 1)
+            if ident.kv_heads % n == 0 and n != own]
 
 
 def model_dir(vllm_config: Any) -> Path:

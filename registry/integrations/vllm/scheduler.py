@@ -58,7 +58,7 @@ LOOKUP_THREADS = 2  # concurrent lookups; more requests queue behind them
 RECENT_GRAFTS = 16  # grafts remembered for prompts that repeat a prefix (no catalog query)
 STEPS_IN_FLIGHT = 8  # steps scheduled and not yet answered, timed for the prefill rate
 
-Found = tuple[Manifest, int, bool]  # (graft, prompt tokens it covers, cross-engine?)
+Found = tuple[Manifest, int, str | None]  # (graft, prompt tokens it covers, what it crosses)
 
 
 # (restore plan, prompt tokens the registry covers, the request's key: None when unknown,
@@ -79,7 +79,7 @@ class _Recent:
 
     manifest: Manifest
     tokens: tuple[int, ...]
-    cross_engine: bool
+    cross: str | None
     identity: ModelIdentity  # the (keyed) identity it was looked up for
 
 
@@ -112,7 +112,7 @@ class RecentGrafts:
                 if (n >= wanted and len(ids) >= n and recent.identity == identity
                         and tuple(ids[:n]) == recent.tokens):
                     self._entries.move_to_end(key)
-                    return recent.manifest, n, recent.cross_engine
+                    return recent.manifest, n, recent.cross
         return None
 
     def remember(self, identity: ModelIdentity, found: Found, ids: list[int]) -> None:
@@ -246,7 +246,7 @@ class KvgraftConnectorScheduler:
             found = recalled = self.recent.recall(ident.identity, ids, self._wanted(len(ids)))
             if found is None:
                 found = lookup(ctx.registry, ident, ids, ctx.settings.allow_cross_engine,
-                               ctx.scope)
+                               ctx.scope, ctx.settings.allow_cross_layout)
             covered = 0 if found is None else found[1]
             end = min(covered, len(ids) - 1) // ctx.block * ctx.block
             if found is None or not ctx.restore or end <= local:
@@ -290,7 +290,7 @@ class KvgraftConnectorScheduler:
         log.info("kvgraft: request %s restores %d of %d prompt tokens from %s%s "
                  "(lookup %.4f s, policy %.4f s, fetch %.4f s, %d bytes fetched%s; "
                  "estimated %s)",
-                 rid, end, len(ids), manifest.digest, " (cross-engine)" if cross else "",
+                 rid, end, len(ids), manifest.digest, f" (cross-{cross})" if cross else "",
                  t1 - t0, t2 - t1, t3 - t2, fetched,
                  ", a recent graft: no catalog query" if recalled else "",
                  estimate.describe())

@@ -27,7 +27,7 @@ from kvgraft.integrations.restorecost import (
     check_rate,
     check_restore_when,
 )
-from kvgraft.integrations.vllm.identity import EngineIdentity
+from kvgraft.integrations.vllm.identity import EngineIdentity, other_layouts
 from kvgraft.reference import Reference
 from kvgraft.services.match import match
 from kvgraft.services.prefixindex import RepositoryScope
@@ -39,7 +39,7 @@ DEFAULT_MEMORY_CACHE_MB = 512
 _SETTINGS = ("home", "catalog_url", "blob_url", "cache_dir", "remote", "repository",
              "chunk_tokens", "publish", "restore", "allow_cross_engine", "queue_size",
              "min_tokens", "lookup_timeout", "memory_cache_mb", "restore_from", "salt_key",
-             "restore_when", "prefill_tokens_per_s")
+             "restore_when", "prefill_tokens_per_s", "allow_cross_layout")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +69,8 @@ class Settings:
     restore_when: str = "faster"
     # the prefill rate assumed until the engine computed a prompt
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    # also restore grafts published at another tensor-parallel size (approximate)
+    allow_cross_layout: bool = False
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any]) -> Settings:
@@ -91,13 +93,14 @@ class Settings:
                              f"not {memory!r}")
         return cls(overrides, extra.get("remote"), extra.get("repository"),
                    int(extra.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)), extra.get("publish"),
-                   extra.get("restore"), bool(extra.get("allow_cross_engine", False)),
+                   extra.get("restore"), _flag(extra, "allow_cross_engine"),
                    int(extra.get("queue_size", 8)), int(extra.get("min_tokens", 0)),
                    timeout, memory, _patterns(extra.get("restore_from", ())),
                    _secret(extra.get("salt_key")),
                    check_restore_when(extra.get("restore_when", "faster")),
                    check_rate("prefill_tokens_per_s",
-                              extra.get("prefill_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S)))
+                              extra.get("prefill_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S)),
+                   _flag(extra, "allow_cross_layout"))
 
     def scope(self, repository: str) -> RepositoryScope:
         return RepositoryScope(self.restore_from or (repository,))
@@ -119,6 +122,13 @@ def _patterns(value: Any) -> tuple[str, ...]:
         raise UsageError(f"restore_from must be a repository name or pattern, or a list of "
                          f"them, not {value!r}")
     return tuple(p.strip() for p in items)
+
+
+def _flag(extra: Mapping[str, Any], name: str) -> bool:
+    value = extra.get(name, False)
+    if not isinstance(value, bool):
+        raise UsageError(f"{name} must be true or false, not {value!r}")
+    return value
 
 
 def _secret(value: Any) -> str | None:
@@ -152,19 +162,22 @@ class RestorePlan:
     digest: str
     end: int
     chunks: tuple[tuple[int, int, str, int], ...]  # (start, end, digest, size)
-    cross_engine: bool
+    cross: str | None  # None: exact; "engine" or "layout": an approximate restore
     covered: int  # prompt tokens the graft covers (before block alignment)
 
 
 def lookup(registry: Registry, ident: EngineIdentity, token_ids: Sequence[int],
            allow_cross_engine: bool, scope: RepositoryScope | None = None,
-           ) -> tuple[Manifest, int, bool] | None:
-    """(manifest, tokens covered, cross-engine?) of the graft with the longest prefix of
-    `token_ids` this engine may restore, among the grafts tagged in a repository `scope`
-    accepts (None: any the registry can read)."""
-    candidates = [(ident.identity, False)]
+           allow_cross_layout: bool = False) -> tuple[Manifest, int, str | None] | None:
+    """(manifest, tokens covered, None or what the restore crosses: "layout", "engine") of
+    the graft with the longest prefix of `token_ids` this engine may restore, among the
+    grafts tagged in a repository `scope` accepts (None: any the registry can read). The
+    engine's own grafts first: an exact restore wins over a longer approximate one."""
+    candidates: list[tuple[Any, str | None]] = [(ident.identity, None)]
+    if allow_cross_layout:
+        candidates += [(other.identity, "layout") for other in other_layouts(ident)]
     if allow_cross_engine:
-        candidates.append((ident.plain, True))
+        candidates.append((ident.plain, "engine"))
     for identity, cross in candidates:
         m = match(registry, identity, token_ids, repositories=scope)
         if m is None:
@@ -190,7 +203,8 @@ def check_layout(manifest: Manifest, ident: EngineIdentity, identity: Any) -> No
                                 f"whole blocks of {ident.block_size}")
 
 
-def plan_restore(manifest: Manifest, end: int, covered: int, cross: bool) -> RestorePlan:
+def plan_restore(manifest: Manifest, end: int, covered: int, cross: str | None,
+                 ) -> RestorePlan:
     chunks = tuple((c.start, c.end, str(c.digest), c.size) for c in manifest.chunks
                    if c.start < end)
     return RestorePlan(str(manifest.digest), end, chunks, cross, covered)

@@ -110,7 +110,8 @@ class KvgraftConnectorWorker:
         self.ctx.record("restore", spec.plan.digest, "ok", {
             "request": spec.req_id, "tokens": tokens,
             "prefix_tokens": spec.plan.end, "bytes": written, "seconds": round(seconds, 6),
-            "cross_engine": spec.plan.cross_engine})
+            "cross_engine": spec.plan.cross == "engine",
+            "cross_layout": spec.plan.cross == "layout"})
 
     def save_kv_layer(self, meta: KvgraftMetadata, layer_name: str) -> None:
         if not meta.saves or self.ctx.ident is None:
