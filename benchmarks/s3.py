@@ -48,17 +48,24 @@ def client_cpu() -> float:
     return t.user + t.system
 
 
-def server_cpu(pgid: int) -> float:
-    """CPU seconds used so far by the processes of group `pgid` (the S3 server), from
-    /proc/PID/stat (utime + stime)."""
-    total = 0
+def _group_stats(pgid: int) -> list[tuple[int, list[str]]]:
+    """(pid, /proc/PID/stat fields after the command name) of the processes of group
+    `pgid`."""
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # gone meanwhile
         if int(fields[2]) == pgid:  # fields[0] is the state (field 3 of stat)
-            total += int(fields[11]) + int(fields[12])
+            found.append((int(stat.parent.name), fields))
+    return found
+
+
+def server_cpu(pgid: int) -> float:
+    """CPU seconds used so far by the processes of group `pgid` (the S3 server): utime +
+    stime."""
+    total = sum(int(f[11]) + int(f[12]) for _, f in _group_stats(pgid))
     return total / os.sysconf("SC_CLK_TCK")
 
 
@@ -138,15 +145,30 @@ CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def child(env: dict[str, str], server_pgid: int, *argv: str) -> tuple[dict[str, Any], int]:
-    """Run one measurement in its own process; its result gains "server_cpu", the CPU
-    seconds the S3 server used meanwhile (it serves nobody else)."""
+def pin_group(pgid: int, cores: set[int]) -> None:
+    """Bind every thread of process group `pgid` to `cores` (threads started later inherit
+    their creator's binding)."""
+    for pid, _ in _group_stats(pgid):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cores)
+            except ProcessLookupError:
+                continue  # exited meanwhile
+
+
+def child(env: dict[str, str], server_pgid: int, *argv: str,
+          cores: set[int] | None = None) -> tuple[dict[str, Any], int]:
+    """Run one measurement in its own process (bound to `cores` when given); its result
+    gains "server_cpu", the CPU seconds the S3 server used meanwhile (it serves nobody
+    else)."""
     # Each measurement starts with no dirty pages left by the one before: a pull fsyncs its
     # output and would otherwise also wait for an earlier upload's writeback.
     os.sync()
     before = server_cpu(server_pgid)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.s3", "--child", *argv],
-                          stdout=subprocess.PIPE, text=True, env=env, check=False)
+    command = [sys.executable, "-m", "benchmarks.s3", "--child", *argv]
+    if cores is not None:
+        command = ["taskset", "-c", ",".join(map(str, sorted(cores))), *command]
+    proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark child {argv} failed with {proc.returncode}")
     result = json.loads(proc.stdout)
