@@ -179,3 +179,45 @@ def test_estimates_are_finite_and_monotone(observations: list[tuple[int, int, fl
     assert 0 <= got < float("inf")
     more = s.seconds(nbytes + 1000, requests + 1)
     assert more is not None and more >= got
+
+
+def test_a_restore_must_be_clearly_faster() -> None:
+    # 1000 tokens/s; 1024 tokens from the machine cache at 1 GB/s local speed: 23.6 ms
+    # against 1024 ms; then a fixed overhead moves the restore to 0.9x and 0.7x of it
+    cost = measured(125e6, 0.002, 1000)
+    nbytes = 1024 * KV_PER_TOKEN
+    base = cost.estimate(1024, [], nbytes)
+    assert base.restore_s is not None and base.overhead_s == 0 and base.restores
+    prefill = base.prefill_s
+    cost.overhead_s = 0.9 * prefill - base.restore_s
+    near = cost.estimate(1024, [], nbytes)
+    assert near.restore_s == pytest.approx(0.9 * prefill) and not near.restores
+    cost.overhead_s = 0.7 * prefill - base.restore_s
+    assert cost.estimate(1024, [], nbytes).restores
+
+
+def test_each_restore_measures_its_overhead() -> None:
+    cost = measured(125e6, 0.002, 1000)
+    nbytes = 1024 * KV_PER_TOKEN
+    estimate = cost.estimate(1024, [], nbytes)
+    assert estimate.restore_s is not None and cost.overhead_s is None
+    # took its estimate, 44 computed tokens and 0.9 s besides: 0.9 s overhead
+    tail = cost.prefill.seconds(44)
+    cost.observe_restore(estimate.restore_s + tail + 0.9, estimate, 44)
+    assert cost.overhead_s == pytest.approx(0.9)
+    later = cost.estimate(1024, [], nbytes)
+    assert later.overhead_s == pytest.approx(0.9)
+    assert later.restore_s == pytest.approx(estimate.restore_s + 0.9)
+    assert not later.restores  # 0.92 s against 1.02: not clearly faster
+    assert "0.9000 s overhead" in later.describe()
+    # a restore faster than its estimate measures no overhead (never below 0): the
+    # estimate (its overhead included) comes back down
+    for _ in range(20):
+        cost.observe_restore(0.0, later)
+    assert cost.overhead_s == pytest.approx(0.0, abs=1e-3)
+    assert cost.estimate(1024, [], nbytes).restores
+    # an estimate of an unmeasured store, or a negative time, measures nothing
+    fresh = RestoreCost()
+    fresh.observe_restore(1.0, fresh.estimate(16, [16 * KV_PER_TOKEN], 0))
+    fresh.observe_restore(-1.0, fresh.estimate(16, [], 16 * KV_PER_TOKEN))
+    assert fresh.overhead_s is None

@@ -5,10 +5,15 @@ what the machine cache lacks, fetched from the store, plus verifying and copying
 byte; the prefill's is the tokens it saves at the rate the engine computes prompts:
 
     restore_s = missing_blobs * latency + missing_bytes / store_rate + bytes / LOCAL_RATE
+                + overhead
     prefill_s = tokens / prefill_rate
 
-and the request restores when `restore_s <= prefill_s` (with `restore_when = "always"` it
-restores whatever the figures). The figures are measured in the process, from what it does:
+and the request restores when `restore_s <= RESTORE_MARGIN * prefill_s` (with
+`restore_when = "always"` it restores whatever the figures). The margin is there because
+both sides are estimates of a machine whose load moves them (a prefill measured at one
+moment may take 30% more or less at the next): a restore chosen on a near tie costs up to
+that much more than computing, while computing a prompt that would have restored a little
+faster loses only that little. The figures are measured in the process, from what it does:
 
 - `StoreSpeed`: each fetch from the store (bytes, requests, seconds) updates exponentially
   weighted estimates of the store's per-request latency and its bytes/s. Until the first
@@ -17,6 +22,11 @@ restores whatever the figures). The figures are measured in the process, from wh
   weighted estimate of seconds per prompt token (weighted by tokens); a step that computes
   no prompt (a decode step) measures the per-step overhead, taken off a prompt's time. Until
   the first prompt is measured, `DEFAULT_PREFILL_TOKENS_PER_S` (or the engine's setting).
+
+- `overhead`: what a restore costs besides its bytes, as each restore measures it (its time
+  from the decision until its KV is in place and the rest of the prompt computed, less the
+  estimate of its bytes and of that rest): on vLLM the scheduler step the request waits for
+  and the step that copies its blocks. Weighted like the others; 0 until measured.
 
 A lookup costs time too, paid whether or not it finds a restore that pays: a prompt is
 looked up only when the measured lookup time is at most `LOOKUP_SHARE` (a tenth) of the
@@ -48,6 +58,7 @@ ALPHA = 0.3  # weight of a new measurement
 PROBE_INTERVAL_S = 60.0
 PREFILL_MIN_TOKENS = 2  # fewer: the step's time is its overhead
 LOOKUP_SHARE = 0.1  # a lookup's time, at most, against the prefill it could save
+RESTORE_MARGIN = 0.8  # a restore's estimate, at most, against the prefill it saves
 
 
 def check_restore_when(value: object) -> str:
@@ -188,17 +199,18 @@ class Estimate:
     restore_s: float | None  # None: the store's speed is not measured yet
     prefill_s: float
     when: str
+    overhead_s: float = 0.0  # measured besides the bytes, included in restore_s
 
     @property
     def restores(self) -> bool:
         return (self.when == "always" or self.restore_s is None
-                or self.restore_s <= self.prefill_s)
+                or self.restore_s <= RESTORE_MARGIN * self.prefill_s)
 
     def describe(self) -> str:
         restore = "unknown" if self.restore_s is None else f"{self.restore_s:.4f} s"
         return (f"restore {restore} ({self.missing_bytes} bytes in {self.missing_blobs} "
-                f"blobs from the store, {self.cached_bytes} cached) vs prefill "
-                f"{self.prefill_s:.4f} s ({self.tokens} tokens)")
+                f"blobs from the store, {self.cached_bytes} cached, {self.overhead_s:.4f} s "
+                f"overhead) vs prefill {self.prefill_s:.4f} s ({self.tokens} tokens)")
 
 
 class RestoreCost:
@@ -215,6 +227,7 @@ class RestoreCost:
         self.local_bytes_per_s = local_bytes_per_s
         self.probe_interval = probe_interval
         self.lookup_s: float | None = None  # measured seconds a lookup takes (weighted)
+        self.overhead_s: float | None = None  # measured seconds a restore costs besides
         self._probed = float("-inf")
         self._lock = threading.Lock()
 
@@ -223,6 +236,18 @@ class RestoreCost:
         if seconds >= 0:
             with self._lock:
                 self.lookup_s = _ewma(self.lookup_s, seconds, ALPHA)
+
+    def observe_restore(self, seconds: float, estimate: Estimate, computed_tokens: int = 0,
+                        ) -> None:
+        """A restore decided on `estimate` took `seconds` until its KV was in place and the
+        `computed_tokens` after it computed: what that leaves beyond the estimate of its
+        bytes and of those tokens is its overhead (never below 0)."""
+        if estimate.restore_s is None or not seconds >= 0:
+            return
+        beside = (estimate.restore_s - estimate.overhead_s
+                  + self.prefill.seconds(computed_tokens))
+        with self._lock:
+            self.overhead_s = _ewma(self.overhead_s, max(0.0, seconds - beside), ALPHA)
 
     def lookup_pays(self, tokens: int) -> bool:
         """Whether to look up a prompt whose lookup could save computing `tokens`."""
@@ -237,9 +262,10 @@ class RestoreCost:
         nbytes = sum(sizes)
         fetch = self.store.seconds(nbytes, len(sizes))
         local = (nbytes + cached_bytes) / self.local_bytes_per_s
+        overhead = self.overhead_s or 0.0
         return Estimate(tokens, nbytes, len(sizes), cached_bytes,
-                        None if fetch is None else fetch + local,
-                        self.prefill.seconds(tokens), self.when)
+                        None if fetch is None else fetch + local + overhead,
+                        self.prefill.seconds(tokens), self.when, overhead)
 
     def probe_due(self) -> bool:
         """Whether a skipped restore's blobs should be fetched in the background now (at

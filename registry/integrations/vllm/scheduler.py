@@ -17,7 +17,8 @@ slower than computing the tokens it saves is skipped (counted as `skipped.slower
 request computes its prefill. The figures are measured here: the store's from the chunks
 fetched, the engine's prefill rate from the steps vLLM runs (from the end of a step's
 scheduling, or the previous step's output if later, to its output; a step without prompt
-tokens measures the per-step overhead; a step that loads a restore measures nothing).
+tokens measures the per-step overhead; a step that loads a restore measures nothing), and
+each restore's overhead from its decision to the end of the step that loads it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvgraft.formats.manifest import Manifest
 from kvgraft.identity.model import ModelIdentity
+from kvgraft.integrations.restorecost import Estimate
 from kvgraft.integrations.vllm.common import (
     Context,
     KvgraftMetadata,
@@ -151,8 +153,13 @@ class KvgraftConnectorScheduler:
         self._keys: dict[str, RequestKey | None] = {}
         self._need_load: dict[str, tuple[RestorePlan, int]] = {}
         self._pending: dict[str, _Pending] = {}
-        # (time.monotonic() at the end of scheduling, prompt tokens) of each step in flight
-        self._steps: deque[tuple[float, int | None]] = deque(maxlen=STEPS_IN_FLIGHT)
+        # (time.monotonic() at the end of scheduling, prompt tokens, requests it loads) of
+        # each step in flight
+        self._steps: deque[tuple[float, int | None, tuple[str, ...]]] = deque(
+            maxlen=STEPS_IN_FLIGHT)
+        # request -> (time.monotonic() of its restore's decision, the estimate it was
+        # decided on, the prompt tokens computed after it): timed when its load step ends
+        self._decided: dict[str, tuple[float, Estimate, int]] = {}
         self._step_done = float("-inf")
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int,
@@ -271,6 +278,7 @@ class KvgraftConnectorScheduler:
         registry = ctx.registry
         assert registry is not None
         manifest, covered, cross = found
+        decided = time.monotonic()
         t1 = time.perf_counter()
         check_policy(registry, ctx.repository, manifest.digest, manifest)
         t2 = time.perf_counter()
@@ -294,6 +302,7 @@ class KvgraftConnectorScheduler:
                  t1 - t0, t2 - t1, t3 - t2, fetched,
                  ", a recent graft: no catalog query" if recalled else "",
                  estimate.describe())
+        self._decided[rid] = (decided, estimate, len(ids) - end)
         return plan
 
     def _probe(self, plan: RestorePlan) -> None:
@@ -309,9 +318,13 @@ class KvgraftConnectorScheduler:
         engine's prefill rate (a step without any, its per-step overhead)."""
         now = time.monotonic()
         if self._steps:
-            scheduled, tokens = self._steps.popleft()
+            scheduled, tokens, loads = self._steps.popleft()
             if tokens is not None:  # None: a step that computed nothing
                 self.ctx.cost.prefill.observe(tokens, now - max(scheduled, self._step_done))
+            for rid in loads:  # each restore's whole cost, waits and copies included
+                decided = self._decided.pop(rid, None)
+                if decided is not None:
+                    self.ctx.cost.observe_restore(now - decided[0], decided[1], decided[2])
         self._step_done = now
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
@@ -337,7 +350,7 @@ class KvgraftConnectorScheduler:
         # measure of the prefill rate (it would make computing look slower than it is)
         self._steps.append((time.monotonic(), prompt_tokens(scheduler_output)
                             if scheduler_output.total_num_scheduled_tokens and not meta.loads
-                            else None))
+                            else None, tuple(spec.req_id for spec in meta.loads)))
         return meta
 
     def _hold_for_publish(self, rid: str, ids: list[int], blocks: list[int]) -> None:
@@ -384,7 +397,8 @@ class KvgraftConnectorScheduler:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        for d in (self._plans, self._covered, self._keys, self._need_load, self._pending):
+        for d in (self._plans, self._covered, self._keys, self._need_load, self._pending,
+                  self._decided):
             d.pop(rid, None)
         pending = self._lookups.pop(rid, None)
         if pending is not None:
