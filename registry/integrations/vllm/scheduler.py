@@ -302,6 +302,8 @@ class KvgraftConnectorScheduler:
                  t1 - t0, t2 - t1, t3 - t2, fetched,
                  ", a recent graft: no catalog query" if recalled else "",
                  estimate.describe())
+        if estimate.restore_s is None:  # the fetch just measured the store: estimate again
+            estimate = ctx.cost.estimate(end - local, lacking, cached)
         self._decided[rid] = (decided, estimate, len(ids) - end)
         return plan
 
@@ -397,9 +399,12 @@ class KvgraftConnectorScheduler:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        for d in (self._plans, self._covered, self._keys, self._need_load, self._pending,
-                  self._decided):
+        for d in (self._plans, self._covered, self._keys, self._need_load, self._pending):
             d.pop(rid, None)
+        # a request that ends in the step that loads it (one token asked) is timed when
+        # that step's output is counted, which vLLM does after finishing the request
+        if not any(rid in loads for _, _, loads in self._steps):
+            self._decided.pop(rid, None)
         pending = self._lookups.pop(rid, None)
         if pending is not None:
             pending.future.cancel()
