@@ -647,7 +647,8 @@ def test_a_step_that_loads_a_restore_does_not_measure_the_prefill_rate() -> None
             meta = sched.build_connector_meta(out)
             time.sleep(seconds)
             # as vLLM does: a request asked for one token ends before its step is counted
-            sched.request_finished(SimpleNamespace(request_id=rid))
+            finished: Any = SimpleNamespace(request_id=rid)
+            sched.request_finished(finished)
             sched.step_done()
             return meta
 
