@@ -225,8 +225,17 @@ def build_seq_state(layers: Sequence[LayerKV], n: int, v_trans: bool, *,
 # --- seq-state files ('ggsq': llama_state_seq_save_file, llama-server's slot save) --------
 
 
-def read_seq_file(path: Path | str) -> tuple[list[int], bytes]:
-    """(token ids, state bytes) of a seq-state file of the supported version."""
+# llama-server writes a slot's token list packed (server_tokens, tools/server): the marker
+# LLAMA_TOKEN_NULL, the list's version, the count, the ids, then the count of media chunks
+# (0 for text); it reads plain ids as well (what older servers and llama_state_seq_save_file
+# write).
+PACKED_MARKER = -1
+PACKED_VERSION = 1
+
+
+def read_seq_file(path: Path | str) -> tuple[list[int], bytes, bool]:
+    """(token ids, state bytes, whether the token list is llama-server's packed one) of a
+    seq-state file of the supported version."""
     data = Path(path).read_bytes()
     if len(data) < 12:
         raise UsageError(f"{path}: not a llama.cpp sequence state file (too short)")
@@ -241,14 +250,36 @@ def read_seq_file(path: Path | str) -> tuple[list[int], bytes]:
     if end > len(data):
         raise UsageError(f"{path}: token count {n} exceeds the file")
     tokens = [int(t) for t in np.frombuffer(data, dtype="<i4", count=n, offset=12)]
-    return tokens, data[end:]
+    packed = bool(tokens) and tokens[0] == PACKED_MARKER
+    if packed:
+        tokens = _unpack_tokens(path, tokens)
+    return tokens, data[end:], packed
+
+
+def _unpack_tokens(path: Path | str, packed: list[int]) -> list[int]:
+    if len(packed) < 4 or packed[1] != PACKED_VERSION:
+        raise UsageError(f"{path}: llama-server token list version "
+                         f"{packed[1] if len(packed) > 1 else '?'}; this kvgraft reads "
+                         f"version {PACKED_VERSION}")
+    count = packed[2]
+    if count < 0 or len(packed) != count + 4:
+        raise UsageError(f"{path}: llama-server token list of {count} ids in "
+                         f"{len(packed)} entries")
+    if packed[3 + count] != 0:
+        raise UsageError(f"{path}: the slot holds images or audio ({packed[3 + count]} media "
+                         "chunks): their KV depends on more than token ids, not imported")
+    return packed[3 : 3 + count]
 
 
 def write_seq_file(path: Path | str, tokens: Sequence[int],
-                   state: bytes | bytearray | memoryview) -> Path:
+                   state: bytes | bytearray | memoryview, *, packed: bool = False) -> Path:
+    """A seq-state file; `packed`: with llama-server's packed token list."""
+    ids = list(tokens)
+    if packed:
+        ids = [PACKED_MARKER, PACKED_VERSION, len(ids), *ids, 0]
     target = Path(path)
     with atomic_writer(target) as f:
-        f.write(struct.pack("<III", SEQ_MAGIC, SEQ_VERSION, len(tokens)))
-        f.write(np.asarray(tokens, dtype="<i4").tobytes())
+        f.write(struct.pack("<III", SEQ_MAGIC, SEQ_VERSION, len(ids)))
+        f.write(np.asarray(ids, dtype="<i4").tobytes())
         f.write(state)
     return target

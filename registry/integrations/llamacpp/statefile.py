@@ -1,5 +1,7 @@
 """llama.cpp seq-state files in and out: the files `llama_state_seq_save_file` and
-llama-server's slot save (`/slots/{id}?action=save`) write, as KV files and back.
+llama-server's slot save (`/slots/{id}?action=save`) write, as KV files and back. A slot
+file's token list may be llama-server's packed one (state.read_seq_file); a graft imported
+from one is written back the same way.
 
 In: the file's state is converted to a KV file whose identity is the GGUF's with this
 llama.cpp's engine part, the flash-attention setting read from the file's V layout and the
@@ -38,7 +40,7 @@ def kvfile_from_seq_file(path: Path | str, model: Path | str, output: Path | str
                          cache_dir: Path | None) -> Path:
     """Convert the seq-state file `path`, written by llama.cpp running the GGUF `model`,
     into the KV file `output`."""
-    tokens, body = read_seq_file(path)
+    tokens, body, packed = read_seq_file(path)
     config = gguf.arch_config(gguf.read_gguf(model), "F16")
     shape = Shape(int(config["num_hidden_layers"]), int(config["num_key_value_heads"]),
                   int(config["head_dim"]), int(config["v_head_dim"]))
@@ -52,7 +54,8 @@ def kvfile_from_seq_file(path: Path | str, model: Path | str, output: Path | str
 
     source = Digest.of(Path(path).read_bytes())
     return write_graft(fp, tokens, kv_tensors(layers), output, created=datetime.now(UTC),
-                       input_extra={"llama_state_file": str(source)})
+                       input_extra={"llama_state_file": str(source),
+                                    "llama_state_tokens": "packed" if packed else "plain"})
 
 
 def seq_file_from_kvfile(kvfile: Path | str, output: Path | str) -> Path:
@@ -76,4 +79,7 @@ def seq_file_from_kvfile(kvfile: Path | str, output: Path | str) -> Path:
                                                 offset=layout.token_ids.begin)]
         state = build_seq_state(layers, layout.token_count, bool(engine.get("v_trans")))
         del layers, arrays, flat  # views of the mapping: gone before it closes
-    return write_seq_file(output, tokens, state)
+    # a slot file llama-server saved goes back with its packed token list: byte for byte
+    source = layout.provenance.get("input", {})
+    packed = isinstance(source, dict) and source.get("llama_state_tokens") == "packed"
+    return write_seq_file(output, tokens, state, packed=packed)
