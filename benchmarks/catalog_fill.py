@@ -131,7 +131,7 @@ def manifest(g: Graft) -> Manifest:
     return Manifest(ident, f"scale model {g.model}", CONFIG, n, token_blob, CHUNK, chunks,
                     layers, tensors, Digest(hexes[-2]),
                     header.size + token_blob.size + sum(c.size for c in chunks), header,
-                    provenance={"producer": "benchmarks.catalog_fill"})
+                    provenance={"producer": "benchmarks.catalog_fill"}, version=1)
 
 
 def push_record(g: Graft, m: Manifest, digest: Digest | None = None) -> PushRecord:

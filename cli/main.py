@@ -236,7 +236,8 @@ def inspect(ctx: click.Context, ref: str, as_json: bool) -> None:
         ("tokens", f"{m.token_count} in {len(m.chunks)} chunks of {m.chunk_tokens}"),
         ("layers", str(len(m.layers))),
         ("size", f"{human_bytes(r.size)} ({human_bytes(r.stored_size)} stored)"),
-        ("file", f"{m.file_digest} ({human_bytes(m.file_size)})"),
+        ("file", f"{m.file_digest} ({human_bytes(m.file_size)}; "
+                 + ("tree of its blobs, format 2)" if m.version >= 2 else "SHA-256, format 1)")),
         ("parents", ", ".join(str(p) for p in m.parents) or "-"),
         ("labels", ", ".join(f"{k}={v}" for k, v in sorted(r.labels.items())) or "-"),
         ("created", r.created_at.isoformat()),

@@ -14,22 +14,56 @@ import sys
 
 from safetensors import safe_open
 
+SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E4M3FN": 1, "I16": 2,
+         "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+         "F64": 8}
+
 
 def canonical(value):  # docs/format.md §1.3
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")
 
 
-def sha256_of(f, begin, end):
-    h = hashlib.sha256()
-    f.seek(begin)
-    while begin < end:
-        block = f.read(min(1 << 20, end - begin))
-        if not block:
-            break  # shorter than the header says: the digest cannot match
-        h.update(block)
-        begin += len(block)
-    return "sha256:" + h.hexdigest()
+def sha256_of(f, runs, prefix=b""):
+    """SHA-256 of `prefix` then the file's bytes [begin, end) of each run, in order."""
+    h = hashlib.sha256(prefix)
+    for begin, end in runs:
+        f.seek(begin)
+        while begin < end:
+            block = f.read(min(1 << 20, end - begin))
+            if not block:
+                break  # shorter than the header says: the digest cannot match
+            h.update(block)
+            begin += len(block)
+    return h
+
+
+def chunks(header, base, n, c):
+    """(payload header, runs) of each chunk of the file (§5.1)."""
+    meta = header.get("__metadata__", {})
+    count = sum(1 for name in header if name.endswith(".key"))
+    layers = [(header[f"layers.{i}.key"], header[f"layers.{i}.value"],
+               int(meta.get(f"layers.{i}.start", "0"))) for i in range(count)]
+    for lo in range(0, n, c):
+        hi, entries, runs, pos = min(lo + c, n), {}, [], 0
+        for i, (key, value, start) in enumerate(layers):
+            a = max(lo, start)
+            if a >= hi:
+                continue  # a sliding-window layer that holds none of this span
+            for kind, t in (("key", key), ("value", value)):
+                heads, length, dim = t["shape"]
+                row = dim * SIZES[t["dtype"]]
+                size = heads * (hi - a) * row
+                entries[f"layers.{i}.{kind}"] = {"data_offsets": [pos, pos + size],
+                                                 "dtype": t["dtype"],
+                                                 "shape": [heads, hi - a, dim]}
+                pos += size
+                for h in range(heads):
+                    begin = base + t["data_offsets"][0] + (h * length + a - start) * row
+                    runs.append((begin, begin + (hi - a) * row))
+        text = json.dumps(entries, sort_keys=True, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        yield len(text).to_bytes(8, "little") + text, runs
 
 
 def verify(path, doc, expected=None):
@@ -43,18 +77,40 @@ def verify(path, doc, expected=None):
         problems.append(f"manifest hashes to {digest}, not to the artifact digest {expected}")
     want = {"file": manifest["file"]["digest"], "header": manifest["file"]["header"]["digest"],
             "token ids": manifest["tokens"]["blob"]["digest"]}
-    want.update((f"tensor {k}", v) for k, v in manifest["tensors"].items())
     with open(path, "rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        got = {"file": sha256_of(f, 0, size), "header": sha256_of(f, 0, 8 + n)}
-        for name, spec in header.items():
-            begin, end = spec["data_offsets"]
-            got[f"tensor {name}"] = sha256_of(f, 8 + n + begin, 8 + n + end)
-        got["token ids"] = got.get("tensor token_ids")
+        got = {"header": sha256_of(f, [(0, 8 + n)])}
+        begin, end = header["token_ids"]["data_offsets"]
+        got["token ids"] = sha256_of(f, [(8 + n + begin, 8 + n + end)])
+        if manifest["schemaVersion"] == 1:  # the file's and each tensor's SHA-256 (§8.1)
+            got["file"] = sha256_of(f, [(0, size)])
+            want.update((f"tensor {k}", v) for k, v in manifest["tensors"].items())
+            for name, spec in header.items():
+                if name != "__metadata__":
+                    begin, end = spec["data_offsets"]
+                    got[f"tensor {name}"] = sha256_of(f, [(8 + n + begin, 8 + n + end)])
+        else:  # each chunk's payload, and the tree over the blobs (§9.3)
+            spans = [(0, 8 + n), (8 + n + begin, 8 + n + end)]
+            c = manifest["chunkTokens"]
+            tree = hashlib.sha256(b"kvgraft.file.v2\n" + size.to_bytes(8, "little")
+                                  + c.to_bytes(8, "little") + got["header"].digest()
+                                  + got["token ids"].digest())
+            count = header["token_ids"]["shape"][0]
+            for i, (head, runs) in enumerate(chunks(header, 8 + n, count, c)):
+                got[f"chunk {i}"] = sha256_of(f, runs, head)
+                tree.update(got[f"chunk {i}"].digest())
+                spans += runs
+            got["file"] = tree
+            want.update((f"chunk {ch['index']}", ch["digest"]) for ch in manifest["chunks"])
+            spans.sort()
+            if [a for a, _ in spans] != [0] + [b for _, b in spans[:-1]] or \
+                    spans[-1][1] != size:
+                problems.append("the header, token ids and chunks do not cover the file "
+                                "exactly once")
+    got = {k: "sha256:" + h.hexdigest() for k, h in got.items()}
     if size != manifest["file"]["size"]:
         problems.append(f"file has {size} bytes, the manifest says {manifest['file']['size']}")
     for what in sorted(set(want) | set(got)):

@@ -111,6 +111,32 @@ def test_the_verifier_refuses_a_flipped_byte(pulled: Pulled, tmp_path: Path) -> 
     file.write_bytes(data)
     r = verify(file, inspect)
     assert r.returncode == 1
+    assert "FAIL file:" in r.stderr and "FAIL chunk " in r.stderr
+
+
+def test_the_verifier_checks_version_1_grafts_as_before(tmp_path: Path) -> None:
+    # Grafts pushed before version 2 carry the file's and each tensor's SHA-256.
+    from kvgraft.client import Registry
+    from kvgraft.config import Config
+    from kvgraft.transfer.push import PushOptions
+
+    src = write_synthetic(tmp_path / "src.kv", tokens=300, window=70, sliding=[1, 3])
+    reg = Registry(Config.from_env({"KVGRAFT_HOME": str(tmp_path / "home"),
+                                    "KVGRAFT_CACHE": str(tmp_path / "cache")}))
+    digest = reg.push(src, "spec/old:v1", options=PushOptions(chunk_tokens=64, version=1)).digest
+    file = tmp_path / "old.kv"
+    reg.pull("spec/old:v1", file)
+    inspect = tmp_path / "old.json"
+    inspect.write_text(json.dumps({"digest": str(digest),
+                                   "manifest": reg.manifest(digest).to_json()}))
+    assert reg.manifest(digest).to_json()["schemaVersion"] == 1
+    r = verify(file, inspect)
+    assert r.returncode == 0, r.stderr
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(data)
+    r = verify(file, inspect)
+    assert r.returncode == 1
     assert "FAIL file:" in r.stderr and "FAIL tensor layers." in r.stderr
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -11,7 +12,7 @@ from kvgraft.blobstore.local import LocalBlobStore
 from kvgraft.codecs.codec import MAGIC, parse_frame
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError, NotFound, UsageError
-from kvgraft.formats.manifest import Manifest
+from kvgraft.formats.manifest import Manifest, file_tree
 from kvgraft.transfer.push import PushOptions
 from tests.support.harness import RegistryFactory
 from tests.support.synthetic import write_synthetic
@@ -36,7 +37,49 @@ def test_round_trip_byte_exact(make_registry: RegistryFactory, tmp_path: Path, d
     assert sha(out) == sha(src)
     manifest = reg.manifest(pushed.digest)
     assert len(manifest.chunks) == -(-tokens // chunk)
-    assert manifest.file_digest.hex == sha(src)
+    assert manifest.version == 2 and not manifest.tensors
+    assert manifest.file_digest == file_tree(
+        manifest.file_size, chunk, manifest.header.digest, manifest.tokens.digest,
+        [c.digest for c in manifest.chunks])
+
+
+def test_version_1_artifacts_push_pull_and_verify_as_before(
+        make_registry: RegistryFactory, tmp_path: Path) -> None:
+    # What older clients pushed: the file's SHA-256 and every tensor's in the manifest.
+    src = write_synthetic(tmp_path / "a.kv", tokens=600, num_layers=2, window=100,
+                          sliding=[1])
+    reg = make_registry()
+    v1 = reg.push(src, "t/a:v1", options=PushOptions(version=1)).digest
+    v2 = reg.push(src, "t/a:v2").digest
+    assert v1 != v2  # two manifests of one content
+    old, new = reg.manifest(v1), reg.manifest(v2)
+    assert old.version == 1 and old.file_digest.hex == sha(src)
+    assert set(old.tensors) == {"token_ids", *(f"layers.{i}.{kv}" for i in range(2)
+                                               for kv in ("key", "value"))}
+    assert [c.digest for c in old.chunks] == [c.digest for c in new.chunks]  # shared blobs
+    for tag in ("v1", "v2"):
+        out = tmp_path / f"{tag}.kv"
+        reg.pull(f"t/a:{tag}", out)
+        assert sha(out) == sha(src)
+        assert all(r.ok for r in reg.verify(f"t/a:{tag}"))
+
+
+def test_a_version_2_file_digest_must_be_the_tree_of_its_blobs(
+        make_registry: RegistryFactory, tmp_path: Path) -> None:
+    reg = make_registry()
+    digest = reg.push(write_synthetic(tmp_path / "a.kv", tokens=600), "t/a").digest
+    doc = reg.manifest(digest).to_json()
+    doc["file"]["digest"] = "sha256:" + sha(tmp_path / "a.kv")  # the v1 meaning
+    with pytest.raises(IntegrityError, match="not the tree of its blobs"):
+        Manifest.from_json(doc)
+    doc = reg.manifest(digest).to_json()
+    doc["tensors"] = {}
+    with pytest.raises(IntegrityError, match="schema"):
+        Manifest.from_json(doc)
+    doc = reg.manifest(digest).to_json()
+    doc["chunks"][0]["digest"] = doc["chunks"][1]["digest"]  # a chunk swapped: tree breaks
+    with pytest.raises(IntegrityError, match="tree"):
+        Manifest.from_json(doc)
 
 
 def test_round_trip_every_store(make_registry: RegistryFactory, store_url: str,
@@ -274,33 +317,38 @@ def test_push_reads_the_file_in_bounded_memory(tmp_path: Path) -> None:
     assert len(buf) == max(sizes)  # one reused buffer
 
 
+@pytest.mark.parametrize("version", [1, 2])
 def test_file_changed_during_push_is_refused(make_registry: RegistryFactory, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    # The file digest and the chunks come from two reads; a write in between must not
-    # publish a manifest whose chunks rebuild some other file.
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             version: int) -> None:
+    # The header, the token ids and the chunks (in version 1 also the file digest) come
+    # from several reads; a write in between must not publish a manifest whose blobs
+    # rebuild some other file.
     import kvgraft.transfer.push as push_module
     from kvgraft.errors import InvalidKVFile
-    from kvgraft.formats.kvfile import KVLayout, hash_file
 
     reg = make_registry()
     src = write_synthetic(tmp_path / "a.kv", tokens=600)
-    real_hash = hash_file
+    name = "hash_file" if version == 1 else "prefix_keys"
+    real = getattr(push_module, name)
 
-    def hash_then_write(fd: int, layout: KVLayout) -> tuple[Digest, dict[str, Digest]]:
-        result = real_hash(fd, layout)
+    def then_write(*args: Any) -> Any:
+        result = real(*args)
         with open(src, "r+b") as f:
             f.seek(-16, os.SEEK_END)
             f.write(b"\x01" * 16)
         return result
 
-    monkeypatch.setattr(push_module, "hash_file", hash_then_write)
+    options = PushOptions(version=version)
+    monkeypatch.setattr(push_module, name, then_write)
     with pytest.raises(InvalidKVFile, match="changed while it was being pushed"):
-        reg.push(src, "t/a")
+        reg.push(src, "t/a", options=options)
     assert reg.catalog.artifact_digests() == []
-    monkeypatch.setattr(push_module, "hash_file", real_hash)
-    digest = reg.push(src, "t/a").digest  # once it holds still, it pushes
+    monkeypatch.setattr(push_module, name, real)
+    digest = reg.push(src, "t/a", options=options).digest  # once it holds still, it pushes
     reg.pull("t/a", tmp_path / "b.kv")
-    assert sha(tmp_path / "b.kv") == sha(src) == reg.manifest(digest).file_digest.hex
+    assert sha(tmp_path / "b.kv") == sha(src)
+    assert reg.manifest(digest).version == version
 
 
 def test_file_truncated_during_push_is_an_integrity_error(
@@ -394,3 +442,34 @@ def test_manifest_plans_check_the_manifest_against_its_header(
     longer = dataclasses.replace(layout, file_size=layout.file_size + 8)
     with pytest.raises(IntegrityError, match="cannot be rebuilt: the blobs cover"):
         manifest_plans(manifest, longer)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_assembled_graft_kept_in_the_cache_is_checked_on_every_read(
+        make_registry: RegistryFactory, tmp_path: Path, version: int) -> None:
+    # Engines read a graft through read_kv: the first read assembles and keeps the file,
+    # later ones map the kept copy and verify it chunk by chunk, whatever the version.
+    from kvgraft.transfer.materialise import read_kv
+
+    src = write_synthetic(tmp_path / "a.kv", tokens=600, window=100, sliding=[1])
+    want = src.read_bytes()
+    reg = make_registry()
+    reg.push(src, "t/a", options=PushOptions(version=version))
+    opened = reg.open("t/a")
+
+    def read() -> bytes:
+        layout, buf, base = read_kv(opened.manifest, opened.fetcher)
+        return bytes(memoryview(buf)[base : base + layout.file_size])
+
+    assert read() == want  # assembled from the chunks
+    kept = reg.cache.blobs._path(opened.manifest.file_digest)
+    assert read() == want  # the kept copy, verified
+    raw = bytearray(kept.read_bytes())
+    raw[-20] ^= 1  # tamper with the kept copy (the token ids)
+    kept.chmod(0o644)
+    kept.write_bytes(bytes(raw))
+    assert read() == want  # refused, rebuilt from the chunks
+    raw = bytearray(kept.read_bytes())
+    raw[len(raw) // 2] ^= 1  # and inside a chunk's KV
+    kept.write_bytes(bytes(raw))
+    assert read() == want

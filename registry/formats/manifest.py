@@ -7,7 +7,8 @@ and the cross-field rules the schema cannot say, so a Manifest that exists is va
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,19 @@ from kvgraft.identity.model import ModelIdentity
 from kvgraft.resources import load_schema
 
 MEDIA_TYPE = "application/vnd.kvgraft.manifest.v1+json"
+# Version 2 names the file by a tree over the blob digests (`file_tree`) and keeps no
+# per-tensor digests, so push hashes each byte once; version 1 stays readable.
+VERSIONS = (1, 2)
+CURRENT = 2
+_TREE_DOMAIN = b"kvgraft.file.v2\n"
+
+
+def file_tree(size: int, chunk_tokens: int, header: Digest, tokens: Digest,
+              chunks: Sequence[Digest]) -> Digest:
+    """The file digest of a version 2 manifest (docs/format.md §9.3): SHA-256 over the
+    digests of the blobs the file is rebuilt from, which fix every byte of it."""
+    return Digest.of(_TREE_DOMAIN, struct.pack("<QQ", size, chunk_tokens), header.raw,
+                     tokens.raw, b"".join(c.raw for c in chunks))
 
 
 @functools.cache
@@ -95,16 +109,17 @@ class Manifest:
     chunk_tokens: int
     chunks: tuple[ChunkRef, ...]
     layers: tuple[LayerRef, ...]
-    tensors: Mapping[str, Digest]
-    file_digest: Digest
+    tensors: Mapping[str, Digest]  # version 1 only; empty in version 2
+    file_digest: Digest  # version 1: SHA-256 of the file; version 2: `file_tree`
     file_size: int
     header: BlobRef
     parents: tuple[Digest, ...] = ()
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    version: int = CURRENT
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "schemaVersion": 1,
+        doc = {
+            "schemaVersion": self.version,
             "mediaType": MEDIA_TYPE,
             "model": {**self.model.to_json(), "name": self.model_name,
                       "config": dict(self.model_config)},
@@ -118,6 +133,9 @@ class Manifest:
             "parents": [str(p) for p in self.parents],
             "provenance": dict(self.provenance),
         }
+        if self.version >= 2:
+            del doc["tensors"]
+        return doc
 
     def canonical(self) -> bytes:
         return canonical_json(self.to_json())
@@ -155,12 +173,13 @@ class Manifest:
             chunk_tokens=data["chunkTokens"],
             chunks=tuple(ChunkRef.from_json(c) for c in data["chunks"]),
             layers=tuple(LayerRef.from_json(x) for x in data["layers"]),
-            tensors={k: Digest.parse(v) for k, v in data["tensors"].items()},
+            tensors={k: Digest.parse(v) for k, v in data.get("tensors", {}).items()},
             file_digest=Digest.parse(data["file"]["digest"]),
             file_size=data["file"]["size"],
             header=BlobRef.from_json(data["file"]["header"]),
             parents=tuple(Digest.parse(p) for p in data["parents"]),
             provenance=data["provenance"],
+            version=data["schemaVersion"],
         )
         manifest._check()
         return manifest
@@ -192,3 +211,12 @@ class Manifest:
             raise IntegrityError("manifest layers are not numbered 0..L-1")
         if self.file_size < self.header.size + self.tokens.size:
             raise IntegrityError("manifest file size is smaller than its header and tokens")
+        if self.version not in VERSIONS:
+            raise IntegrityError(f"manifest version {self.version} is not one of {VERSIONS}")
+        if self.version >= 2:
+            if self.tensors:
+                raise IntegrityError("a version 2 manifest has no tensor digests")
+            tree = file_tree(self.file_size, self.chunk_tokens, self.header.digest,
+                             self.tokens.digest, [ch.digest for ch in self.chunks])
+            if self.file_digest != tree:
+                raise IntegrityError("manifest file digest is not the tree of its blobs")

@@ -1,8 +1,9 @@
 """A graft's KV file in memory, every byte verified, for the engines that restore it.
 
 The first load assembles the file from its verified chunk blobs and keeps it in the machine
-cache as one raw blob under the file digest; later loads map that blob and re-verify every
-tensor digest (hashed on worker threads), so a restore never trusts bytes it did not check.
+cache as one raw blob under the file digest; later loads map that blob and re-verify it
+chunk by chunk (each chunk's payload hashed from its runs in place, on worker threads,
+against the manifest's chunk digests), so a restore never trusts bytes it did not check.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvgraft.codecs.codec import parse_frame
 from kvgraft.digest import Digest
 from kvgraft.errors import IntegrityError
-from kvgraft.formats.chunks import manifest_plans
+from kvgraft.formats.chunks import ChunkPlan, manifest_plans
 from kvgraft.formats.kvfile import KVLayout
 from kvgraft.formats.manifest import BlobRef, Manifest
 from kvgraft.transfer.cache import Cache
@@ -23,24 +24,27 @@ from kvgraft.transfer.pull import Fetcher, layout_of
 KVBuffer = bytearray | mmap.mmap  # a KV file's bytes in memory
 
 
-def _verify(manifest: Manifest, layout: KVLayout, view: memoryview, workers: int) -> bool:
-    """Every byte of an assembled KV file against the manifest: the header blob digest and
-    each tensor's digest, hashed on `workers` threads (hashlib releases the GIL)."""
-    jobs = [(manifest.header.digest, view[: layout.header_size])]
-    for t in layout.tensors:
-        want = manifest.tensors.get(t.name)
-        if want is None:
-            return False
-        jobs.append((want, view[t.begin : t.end]))
+def _verify(manifest: Manifest, plans: list[ChunkPlan], layout: KVLayout, view: memoryview,
+            workers: int) -> bool:
+    """Every byte of an assembled KV file against the manifest: the header and token ids
+    blob digests, and each chunk's digest over its payload header and its runs read in place
+    (the plans cover the file exactly once), hashed on `workers` threads (hashlib releases
+    the GIL). The same check for every manifest version: it needs only blob digests."""
+    tokens = view[layout.token_ids.begin : layout.token_ids.end]
+    jobs: list[tuple[Digest, list[memoryview | bytes]]] = [
+        (manifest.header.digest, [view[: layout.header_size]]),
+        (manifest.tokens.digest, [tokens])]
+    for plan, chunk in zip(plans, manifest.chunks, strict=True):
+        jobs.append((chunk.digest, [plan.header, *(view[r.file_offset : r.file_offset + r.length]
+                                                   for r in plan.runs)]))
     with ThreadPoolExecutor(workers, thread_name_prefix="kvgraft-verify") as pool:
-        got = list(pool.map(lambda job: Digest.of(job[1]), jobs))
+        got = list(pool.map(lambda job: Digest.of(*job[1]), jobs))
     return all(g == want for g, (want, _) in zip(got, jobs, strict=True))
 
 
-def _assemble(manifest: Manifest, layout: KVLayout, fetcher: Fetcher, view: memoryview,
-              workers: int) -> None:
+def _assemble(manifest: Manifest, plans: list[ChunkPlan], layout: KVLayout, fetcher: Fetcher,
+              view: memoryview, workers: int) -> None:
     """Scatter the verified chunk blobs of `manifest` into `view` (the KV file's bytes)."""
-    plans = manifest_plans(manifest, layout)
     tokens, _ = fetcher.get(manifest.tokens)
     view[layout.token_ids.begin : layout.token_ids.end] = tokens
     places: dict[Digest, list[int]] = {}
@@ -105,21 +109,22 @@ def read_kv(manifest: Manifest, fetcher: Fetcher, *, workers: int = 2, keep: boo
     cache's prune drops it with everything else and it is rebuilt on demand."""
     header, _ = fetcher.get(manifest.header)
     layout = layout_of(manifest, header)
+    plans = manifest_plans(manifest, layout)
     kept = _read_materialised(fetcher.cache, manifest)
     if kept is not None:
         mapped, base = kept
         with memoryview(mapped) as view:
-            good = _verify(manifest, layout, view[base:], workers)
+            good = _verify(manifest, plans, layout, view[base:], workers)
         if good:
             return layout, mapped, base
         fetcher.cache.blobs.delete(manifest.file_digest)  # torn or tampered: rebuild it
     buf = bytearray(manifest.file_size)
     view = memoryview(buf)
     view[: layout.header_size] = header
-    _assemble(manifest, layout, fetcher, view, workers)
-    if not _verify(manifest, layout, view, workers):
+    _assemble(manifest, plans, layout, fetcher, view, workers)
+    if not _verify(manifest, plans, layout, view, workers):
         raise IntegrityError(f"assembled KV file of {manifest.digest} does not match its "
-                             "manifest's tensor digests")
+                             "manifest's blob digests")
     if keep:
         fetcher.cache.put(manifest.file_digest, buf)
     return layout, buf, 0

@@ -3,7 +3,9 @@
 Blobs go first and the catalog commit is one transaction at the end, so a push that dies
 half-way leaves only unreferenced blobs (gc sweeps them), never a row pointing at nothing.
 Chunks are gathered, hashed and encoded on worker threads (hashlib and zstd release the
-GIL) while a further worker hashes the whole file; at most `window` chunks are in flight.
+GIL); at most `window` chunks are in flight. A version 2 manifest names the file by the tree
+of those digests, so each byte is hashed once; writing a version 1 manifest (to repair an
+artifact pushed as one) also hashes the whole file and each tensor on a further worker.
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from kvgraft.formats.chunks import (
     plan_chunks,
 )
 from kvgraft.formats.kvfile import KVLayout, hash_file, read_layout
-from kvgraft.formats.manifest import BlobRef, ChunkRef, LayerRef, Manifest
+from kvgraft.formats.manifest import (
+    CURRENT,
+    VERSIONS,
+    BlobRef,
+    ChunkRef,
+    LayerRef,
+    Manifest,
+    file_tree,
+)
 from kvgraft.formats.prefix import prefix_keys
 
 Progress = Callable[[int], None]
@@ -52,10 +62,13 @@ class PushOptions:
     parents: tuple[Digest, ...] = ()
     workers: int = 2
     window: int = 4
+    version: int = CURRENT  # of the manifest
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_tokens <= MAX_CHUNK_TOKENS:
             raise UsageError(f"chunk tokens must be between 1 and {MAX_CHUNK_TOKENS}")
+        if self.version not in VERSIONS:
+            raise UsageError(f"manifest version must be one of {VERSIONS}")
         if self.workers < 1 or self.window < 1:
             raise UsageError("workers and window must be positive")
 
@@ -180,17 +193,23 @@ def build_artifact(path: str | Path, store: BlobStore, options: PushOptions,
             keys = prefix_keys(layout.identity, tokens, options.chunk_tokens)
             with ThreadPoolExecutor(options.workers + 1,
                                     thread_name_prefix="kvgraft-push") as pool:
-                hashed = pool.submit(hash_file, fd, layout)
+                hashed = pool.submit(hash_file, fd, layout) if options.version == 1 else None
                 records, chunk_refs = _upload_chunks(fd, plans, keys, uploader, pool, options,
                                                      progress)
                 extra = [uploader.put(Digest.of(b), b) for b in (header, tokens)]
-                file_digest, tensor_digests = hashed.result()
+                if hashed is not None:
+                    file_digest, tensor_digests = hashed.result()
+                else:
+                    file_digest = file_tree(layout.file_size, options.chunk_tokens,
+                                            extra[0][0].digest, extra[1][0].digest,
+                                            [c.digest for c in chunk_refs])
+                    tensor_digests = {}
         except InvalidKVFile as e:  # a short read: the file shrank after its header was read
             raise InvalidKVFile(f"{path} changed while it was being pushed ({e.message})",
                                 hint=_AGAIN) from None
-        # The file digest and the chunks come from two reads of the file: if it was written
-        # in between they could disagree, and pull (which rebuilds from the chunks) would
-        # give back a file other than the one the manifest names.
+        # The header, the token ids and the chunks (and in version 1 the file digest) come
+        # from several reads of the file: if it was written in between they could disagree,
+        # and pull would give back a file other than the one that was pushed.
         if _stamp(fd) != before:
             raise InvalidKVFile(f"{path} changed while it was being pushed", hint=_AGAIN)
     finally:
@@ -269,6 +288,6 @@ def _manifest(layout: KVLayout, options: PushOptions, chunks: list[ChunkRef],
         model_config=dict(layout.model_config), token_count=layout.token_count,
         tokens=tokens, chunk_tokens=options.chunk_tokens, chunks=tuple(chunks), layers=layers,
         tensors=tensors, file_digest=file_digest, file_size=layout.file_size, header=header,
-        parents=options.parents, provenance=dict(layout.provenance))
+        parents=options.parents, provenance=dict(layout.provenance), version=options.version)
     # Validate what we are about to commit exactly as a reader will.
     return Manifest.from_json(manifest.to_json())

@@ -51,7 +51,8 @@ def from_cache(manifest: Manifest, bad: Iterable[Digest], store: BlobStore,
 def from_file(manifest: Manifest, path: Path, store: BlobStore) -> list[BlobRecord]:
     """Push `path`'s blobs again (which replaces corrupt ones); it must be the very file
     the artifact was pushed from."""
-    upload = build_artifact(path, store, PushOptions(chunk_tokens=manifest.chunk_tokens))
+    upload = build_artifact(path, store, PushOptions(chunk_tokens=manifest.chunk_tokens,
+                                                     version=manifest.version))
     if upload.manifest.digest != manifest.digest:
         raise UsageError(f"{path} is not the file of artifact {manifest.digest} "
                          f"(it is {upload.manifest.digest})",

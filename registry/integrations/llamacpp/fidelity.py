@@ -19,7 +19,13 @@ from kvgraft.digest import Digest
 from kvgraft.errors import UsageError
 from kvgraft.integrations.fidelity import FidelityReport, Position, compare_rows
 from kvgraft.integrations.llamacpp.engine import LlamaModel, fit_context
-from kvgraft.integrations.llamacpp.graft import greedy, load_graft, prefill, state_tensors
+from kvgraft.integrations.llamacpp.graft import (
+    LlamaGraft,
+    greedy,
+    load_graft,
+    prefill,
+    state_tensors,
+)
 from kvgraft.integrations.llamacpp.state import kv_tensors
 from kvgraft.provenance.statement import fidelity_statement
 from kvgraft.reference import Reference
@@ -36,10 +42,18 @@ def _positions(g: list[tuple[Any, int]], f: list[tuple[Any, int]]) -> tuple[Posi
     return tuple(out)
 
 
+def graft_tensor_digests(graft: LlamaGraft) -> dict[str, Digest]:
+    """Each KV tensor's digest, from the graft's bytes (verified against its manifest when
+    it was loaded)."""
+    return {f"layers.{i}.{kind}": Digest.of(t.data)
+            for i, (k, v, _) in enumerate(kv_tensors(graft.layers))
+            for kind, t in (("key", k), ("value", v))}
+
+
 def recompute_tensors(lm: LlamaModel, count: int, expected: dict[str, Digest],
                       ) -> dict[str, Any]:
     """Compare the KV llama.cpp holds now (a fresh prefill of the graft's tokens) with the
-    manifest's tensor digests, converted as capture converts it."""
+    graft's tensor digests, converted as capture converts it."""
     bad = []
     checked = 0
     for i, (k, v, _) in enumerate(kv_tensors(state_tensors(lm, count))):
@@ -75,7 +89,7 @@ def verify_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
     grafted = greedy(lm, ids, steps)
     t2 = time.perf_counter()
     prefill(lm, graft.token_ids)
-    checked = (recompute_tensors(lm, graft.token_count, dict(graft.manifest.tensors))
+    checked = (recompute_tensors(lm, graft.token_count, graft_tensor_digests(graft))
                if recompute else None)
     t3 = time.perf_counter()
     fresh = greedy(lm, ids, steps)

@@ -29,7 +29,7 @@ from kvgraft.integrations.transformers.capture import (
     tokenize,
 )
 from kvgraft.integrations.transformers.generate import Step, greedy
-from kvgraft.integrations.transformers.loader import load_graft
+from kvgraft.integrations.transformers.loader import Graft, load_graft
 from kvgraft.integrations.transformers.models import LoadedModel, engine_info
 from kvgraft.reference import Reference
 
@@ -59,9 +59,18 @@ def _positions(g: list[Step], f: list[Step]) -> list[Position]:
     return out
 
 
+def graft_tensor_digests(graft: Graft) -> dict[str, Digest]:
+    """Each KV tensor's digest, from the graft's bytes (verified against its manifest when
+    it was loaded)."""
+    return {f"layers.{i}.{kind}": Digest.of(raw_bytes(t))
+            for i, layer in enumerate(graft.layers)
+            for kind, t in (("key", layer.key), ("value", layer.value))}
+
+
 def recompute_tensors(lm: LoadedModel, token_ids: Sequence[int],
                       expected: dict[str, Digest]) -> dict[str, Any]:
-    """Prefill the graft's tokens again and compare every tensor digest with the manifest."""
+    """Prefill the graft's tokens again and compare every KV tensor's digest with the
+    graft's."""
     cache, _ = prefill(lm, token_ids, record_past=True)
     bad = []
     checked = 0
@@ -107,7 +116,7 @@ def verify_graft(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
     fresh = greedy(lm, fresh_cache, ids, steps)
     t3 = time.perf_counter()
     timings = {"load": t1 - t0, "grafted": t2 - t1, "fresh": t3 - t2}
-    checked = (recompute_tensors(lm, graft.token_ids, dict(graft.manifest.tensors))
+    checked = (recompute_tensors(lm, graft.token_ids, graft_tensor_digests(graft))
                if recompute else None)
     report = FidelityReport(
         reference, graft.digest, graft.token_count, tuple(ids), tuple(_positions(grafted, fresh)),
