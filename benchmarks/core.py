@@ -1,6 +1,9 @@
 """Push and pull of a synthetic BF16 KV file through the local store, next to a baseline
 measured in the same run: the same bytes through plain hashlib.sha256 + zstandard (same
 level) in one pass. Each measurement runs in its own process so its peak RSS is its own.
+A further row puts the push of today's manifest (version 2: each byte hashed once) next to
+a push writing a version 1 manifest (the file, each tensor and each chunk hashed), with the
+client CPU seconds per GB of each.
 
     python -m benchmarks.core [--size-mib 1024] [--workdir .bench]
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -118,15 +122,22 @@ def _registry(home: Path, cache: Path) -> Any:
     return Registry(Config.from_env({"KVGRAFT_HOME": str(home), "KVGRAFT_CACHE": str(cache)}))
 
 
-def kvgraft_push(src: Path, home: Path) -> dict[str, Any]:
+def cpu_seconds() -> float:
+    """CPU seconds (user + system, every thread) this process has used so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def kvgraft_push(src: Path, home: Path, version: str = "2") -> dict[str, Any]:
     from kvgraft.transfer.push import PushOptions
 
     reg = _registry(home, home / "cache")
     reg.catalog  # noqa: B018  (open and migrate the catalog outside the timed region)
-    t0 = time.perf_counter()
-    result = reg.push(src, "bench/kv:1", options=PushOptions(level=LEVEL))
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    result = reg.push(src, "bench/kv:1", options=PushOptions(level=LEVEL, version=int(version)))
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "stored": result.stored_size, "digest": str(result.digest)}
+    return {"seconds": seconds, "cpu": cpu_seconds() - c0, "stored": result.stored_size,
+            "digest": str(result.digest)}
 
 
 def kvgraft_pull(home: Path, cache: Path, out: Path) -> dict[str, Any]:
@@ -140,7 +151,7 @@ def kvgraft_pull(home: Path, cache: Path, out: Path) -> dict[str, Any]:
 CHILDREN: dict[str, Callable[..., dict[str, Any]]] = {
     "baseline-push": lambda a, b: baseline_push(Path(a), Path(b)),
     "baseline-pull": lambda a, b: baseline_pull(Path(a), Path(b)),
-    "kvgraft-push": lambda a, b: kvgraft_push(Path(a), Path(b)),
+    "kvgraft-push": lambda a, b, v="2": kvgraft_push(Path(a), Path(b), v),
     "kvgraft-pull": lambda a, b, c: kvgraft_pull(Path(a), Path(b), Path(c)),
 }
 
@@ -168,6 +179,14 @@ def run(workdir: Path, size_mib: int, report: Callable[[dict[str, Any]], None]) 
              "baseline_compression": round(size / base_push["stored"], 3)}):
         report(row)
     shutil.rmtree(scratch / "cache", ignore_errors=True)
+    push_v1, push_v1_rss = _child(["kvgraft-push", str(src), str(scratch / "home-v1"), "1"])
+    row = ratio_rows("local push, manifest version 2 vs 1", size,
+                     {"": (push, push_rss, push_v1, push_v1_rss)}, {})[0]
+    row["bench"] = row["bench"].rstrip()
+    row["kvgraft_client_cpu_s_per_GB"] = round(push["cpu"] / (size / 1e9), 2)
+    row["baseline_client_cpu_s_per_GB"] = round(push_v1["cpu"] / (size / 1e9), 2)
+    row["baseline"] = "the same push writing a version 1 manifest"
+    report(row)
     return src
 
 

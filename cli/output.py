@@ -108,7 +108,7 @@ def print_fidelity(report: Any, engine: str | None = None) -> None:
                f"max |diff| {s['max_abs_diff']:.3g}")
     if report.recompute is not None:
         r = report.recompute
-        state = "all match the manifest" if r["ok"] else f"{len(r['mismatches'])} differ"
+        state = "all match the graft" if r["ok"] else f"{len(r['mismatches'])} differ"
         click.echo(f"recompute: {r['checked']} tensors, {state}")
     verdict = "BYTE-IDENTICAL" if report.byte_identical else "DIFFERENT"
     att = f", attestation #{report.attestation}" if report.attestation is not None else ""
