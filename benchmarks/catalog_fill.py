@@ -34,7 +34,7 @@ from kvgraft.catalog import Catalog
 from kvgraft.catalog.events import GENESIS, event_hash
 from kvgraft.catalog.records import BlobRecord, EventRecord, PushRecord
 from kvgraft.digest import Digest, canonical_json
-from kvgraft.formats.manifest import BlobRef, ChunkRef, LayerRef, Manifest
+from kvgraft.formats.manifest import BlobRef, ChunkRef, LayerRef, Manifest, file_tree
 from kvgraft.formats.prefix import prefix_keys
 from kvgraft.identity.model import ModelIdentity
 from tests.support.synthetic import synthetic_identity
@@ -122,16 +122,14 @@ def manifest(g: Graft) -> Manifest:
                    for c, k in enumerate(keys))
     layers = tuple(LayerRef(i, 0, n, "BF16", KV_HEADS, HEAD_DIM, HEAD_DIM)
                    for i in range(LAYERS))
-    rand = np.random.default_rng([g.index, 3]).bytes(32 * (2 * LAYERS + 2))
-    hexes = [rand[j:j + 32].hex() for j in range(0, len(rand), 32)]
-    tensors = {f"layers.{i}.{kv}": Digest(hexes[2 * i + j])
-               for i in range(LAYERS) for j, kv in enumerate(("key", "value"))}
+    rand = np.random.default_rng([g.index, 3]).bytes(32)
     token_blob = BlobRef(Digest.of(raw), len(raw))
-    header = BlobRef(Digest(hexes[-1]), 4096 + 96 * LAYERS)
+    header = BlobRef(Digest(rand.hex()), 4096 + 96 * LAYERS)
+    size = header.size + token_blob.size + sum(c.size for c in chunks)
+    tree = file_tree(size, CHUNK, header.digest, token_blob.digest, [c.digest for c in chunks])
     return Manifest(ident, f"scale model {g.model}", CONFIG, n, token_blob, CHUNK, chunks,
-                    layers, tensors, Digest(hexes[-2]),
-                    header.size + token_blob.size + sum(c.size for c in chunks), header,
-                    provenance={"producer": "benchmarks.catalog_fill"}, version=1)
+                    layers, {}, tree, size, header,
+                    provenance={"producer": "benchmarks.catalog_fill"})
 
 
 def push_record(g: Graft, m: Manifest, digest: Digest | None = None) -> PushRecord:

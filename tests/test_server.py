@@ -372,6 +372,26 @@ def test_manifest_naming_missing_or_wrongly_sized_blobs_is_refused(
     assert r.status_code in (400, 409)
 
 
+def test_a_pushed_manifest_whose_file_digest_is_not_its_tree_is_refused(
+        server: Server, tokens: dict[str, str]) -> None:
+    # The served graft's own manifest, with its file digest changed: the tree over its
+    # blobs no longer matches, so the commit is refused before anything is recorded.
+    h = _auth(tokens["push"])
+    oci = requests.get(f"{server.url}/v2/{TEAM}/manifests/v1", headers=h).json()
+    raw = requests.get(f"{server.url}/v2/{TEAM}/blobs/{oci['layers'][0]['digest']}",
+                       headers=h).content
+    doc = json.loads(raw)
+    assert doc["schemaVersion"] == 2
+    doc["file"]["digest"] = "sha256:" + hashlib.sha256(b"some other file").hexdigest()
+    forged = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    r = requests.post(f"{server.url}/kvgraft/v1/push", headers=h,
+                      json={"repository": TEAM, "tag": "forged", "manifest": forged})
+    assert r.status_code == 400 and _error(r) == "MANIFEST_INVALID"
+    assert "tree of its blobs" in r.json()["errors"][0]["message"]
+    assert requests.get(f"{server.url}/v2/{TEAM}/manifests/forged",
+                        headers=h).status_code == 404
+
+
 def test_oversized_manifest_and_header(server: Server, tokens: dict[str, str]) -> None:
     h = _auth(tokens["push"])
     huge = b'{"schemaVersion":2,"pad":"' + b"a" * (4 << 20) + b'"}'
