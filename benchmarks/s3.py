@@ -34,18 +34,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.core import ratio_rows, sha256_file
+from benchmarks.core import client_cpu, ratio_rows, sha256_file
 
 BUCKET = "bench"
 PREFIX = "kv"
 BASELINE_KEY = "baseline/blobs.bin"
 RAW_KEY = "baseline/raw.kv"
-
-
-def client_cpu() -> float:
-    """CPU seconds (user + system, every thread) this process has used so far."""
-    t = os.times()
-    return t.user + t.system
 
 
 def _group_stats(pgid: int) -> list[tuple[int, list[str]]]:

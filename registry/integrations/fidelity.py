@@ -4,12 +4,13 @@ rows (kvgraft.integrations.transformers.fidelity, kvgraft.integrations.llamacpp.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvgraft.digest import Digest
+from kvgraft.digest import Buffer, Digest
 from kvgraft.reference import Reference
 
 
@@ -47,7 +48,7 @@ class FidelityReport:
     graft_tokens: tuple[int, ...]  # greedy continuation after the suffix
     fresh_tokens: tuple[int, ...]
     engine: dict[str, Any]
-    recompute: dict[str, Any] | None = None  # tensor digests recomputed vs manifest
+    recompute: dict[str, Any] | None = None  # KV tensor digests recomputed vs the graft's
     attestation: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -102,3 +103,19 @@ def compare_rows(phase: str, start: int, graft: np.ndarray, fresh: np.ndarray,
                             Digest.of(b.tobytes()).hex, int(np.argmax(a)), int(np.argmax(b)),
                             max(kl, 0.0), float(np.abs(a64 - b64).max())))
     return out
+
+
+def kv_digests(layers: Iterable[tuple[Buffer, Buffer]]) -> dict[str, Digest]:
+    """The digest of each layer's key and value bytes, under their KV file names."""
+    return {f"layers.{i}.{kind}": Digest.of(data)
+            for i, pair in enumerate(layers) for kind, data in zip(("key", "value"), pair,
+                                                                   strict=True)}
+
+
+def compare_kv(graft: Mapping[str, Digest], recomputed: Mapping[str, Digest]) -> dict[str, Any]:
+    """The `recompute` part of a fidelity report: every recomputed KV tensor against the
+    graft's (whose bytes were verified against its manifest when it was loaded)."""
+    bad = [{"tensor": name, "expected": str(graft.get(name)), "found": str(got)}
+           for name, got in recomputed.items() if graft.get(name) != got]
+    return {"ok": not bad and len(recomputed) == len(graft), "checked": len(recomputed),
+            "mismatches": bad}

@@ -15,9 +15,14 @@ from typing import Any
 
 from kvgraft import __version__
 from kvgraft.client import Registry
-from kvgraft.digest import Digest
 from kvgraft.errors import UsageError
-from kvgraft.integrations.fidelity import FidelityReport, Position, compare_rows
+from kvgraft.integrations.fidelity import (
+    FidelityReport,
+    Position,
+    compare_kv,
+    compare_rows,
+    kv_digests,
+)
 from kvgraft.integrations.llamacpp.engine import LlamaModel, fit_context
 from kvgraft.integrations.llamacpp.graft import (
     LlamaGraft,
@@ -42,30 +47,12 @@ def _positions(g: list[tuple[Any, int]], f: list[tuple[Any, int]]) -> tuple[Posi
     return tuple(out)
 
 
-def graft_tensor_digests(graft: LlamaGraft) -> dict[str, Digest]:
-    """Each KV tensor's digest, from the graft's bytes (verified against its manifest when
-    it was loaded)."""
-    return {f"layers.{i}.{kind}": Digest.of(t.data)
-            for i, (k, v, _) in enumerate(kv_tensors(graft.layers))
-            for kind, t in (("key", k), ("value", v))}
-
-
-def recompute_tensors(lm: LlamaModel, count: int, expected: dict[str, Digest],
-                      ) -> dict[str, Any]:
-    """Compare the KV llama.cpp holds now (a fresh prefill of the graft's tokens) with the
-    graft's tensor digests, converted as capture converts it."""
-    bad = []
-    checked = 0
-    for i, (k, v, _) in enumerate(kv_tensors(state_tensors(lm, count))):
-        for kind, t in (("key", k), ("value", v)):
-            name = f"layers.{i}.{kind}"
-            got = Digest.of(t.data)
-            checked += 1
-            if expected.get(name) != got:
-                bad.append({"tensor": name, "expected": str(expected.get(name)),
-                            "found": str(got)})
-    want = sum(1 for n in expected if n.startswith("layers."))
-    return {"ok": not bad and checked == want, "checked": checked, "mismatches": bad}
+def recompute_tensors(lm: LlamaModel, graft: LlamaGraft) -> dict[str, Any]:
+    """Compare the KV llama.cpp holds now (a fresh prefill of the graft's tokens),
+    converted as capture converts it, with the graft's."""
+    fresh = kv_tensors(state_tensors(lm, graft.token_count))
+    return compare_kv(kv_digests((k.data, v.data) for k, v, _ in kv_tensors(graft.layers)),
+                      kv_digests((k.data, v.data) for k, v, _ in fresh))
 
 
 def verify_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
@@ -89,7 +76,7 @@ def verify_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
     grafted = greedy(lm, ids, steps)
     t2 = time.perf_counter()
     prefill(lm, graft.token_ids)
-    checked = (recompute_tensors(lm, graft.token_count, graft_tensor_digests(graft))
+    checked = (recompute_tensors(lm, graft)
                if recompute else None)
     t3 = time.perf_counter()
     fresh = greedy(lm, ids, steps)

@@ -21,7 +21,7 @@ from kvgraft import __version__
 from kvgraft.client import Registry
 from kvgraft.digest import Digest, canonical_json
 from kvgraft.errors import UsageError
-from kvgraft.integrations.fidelity import FidelityReport, Position
+from kvgraft.integrations.fidelity import FidelityReport, Position, compare_kv, kv_digests
 from kvgraft.integrations.transformers.capture import (
     cache_tensors,
     prefill,
@@ -59,31 +59,13 @@ def _positions(g: list[Step], f: list[Step]) -> list[Position]:
     return out
 
 
-def graft_tensor_digests(graft: Graft) -> dict[str, Digest]:
-    """Each KV tensor's digest, from the graft's bytes (verified against its manifest when
-    it was loaded)."""
-    return {f"layers.{i}.{kind}": Digest.of(raw_bytes(t))
-            for i, layer in enumerate(graft.layers)
-            for kind, t in (("key", layer.key), ("value", layer.value))}
-
-
-def recompute_tensors(lm: LoadedModel, token_ids: Sequence[int],
-                      expected: dict[str, Digest]) -> dict[str, Any]:
+def recompute_tensors(lm: LoadedModel, graft: Graft) -> dict[str, Any]:
     """Prefill the graft's tokens again and compare every KV tensor's digest with the
     graft's."""
-    cache, _ = prefill(lm, token_ids, record_past=True)
-    bad = []
-    checked = 0
-    for i, (k, v, _start) in enumerate(cache_tensors(cache, len(token_ids))):
-        for kind, t in (("key", k), ("value", v)):
-            name = f"layers.{i}.{kind}"
-            got = Digest.of(raw_bytes(t))
-            checked += 1
-            if expected.get(name) != got:
-                bad.append({"tensor": name, "expected": str(expected.get(name)),
-                            "found": str(got)})
-    return {"ok": not bad and checked == sum(1 for n in expected if n.startswith("layers.")),
-            "checked": checked, "mismatches": bad}
+    cache, _ = prefill(lm, graft.token_ids, record_past=True)
+    fresh = cache_tensors(cache, graft.token_count)
+    return compare_kv(kv_digests((raw_bytes(lr.key), raw_bytes(lr.value)) for lr in graft.layers),
+                      kv_digests((raw_bytes(k), raw_bytes(v)) for k, v, _ in fresh))
 
 
 def verify_graft(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
@@ -116,7 +98,7 @@ def verify_graft(registry: Registry, lm: LoadedModel, ref: Reference | str, *,
     fresh = greedy(lm, fresh_cache, ids, steps)
     t3 = time.perf_counter()
     timings = {"load": t1 - t0, "grafted": t2 - t1, "fresh": t3 - t2}
-    checked = (recompute_tensors(lm, graft.token_ids, graft_tensor_digests(graft))
+    checked = (recompute_tensors(lm, graft)
                if recompute else None)
     report = FidelityReport(
         reference, graft.digest, graft.token_count, tuple(ids), tuple(_positions(grafted, fresh)),
