@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -159,3 +160,51 @@ def test_unreachable_catalog_is_unavailable() -> None:
 def test_bad_catalog_urls(url: str) -> None:
     with pytest.raises(UsageError):
         make_engine(url)
+
+
+def test_pooled_connection_pinged_only_after_idle(postgres_url: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection back from use within PING_AFTER_IDLE_S is handed out as it is; one
+    idle longer is pinged first, and a dead one replaced without the caller seeing it."""
+    from sqlalchemy.exc import OperationalError
+
+    from kvgraft.catalog import engine as engine_module
+
+    engine = make_engine(postgres_url)
+    pings: list[object] = []
+    ping = engine.dialect.do_ping
+
+    def counted(conn: Any) -> bool:
+        pings.append(conn)
+        return ping(conn)
+
+    monkeypatch.setattr(engine.dialect, "do_ping", counted)
+    admin = make_engine(postgres_url)
+
+    def backend() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+    def kill(pid: int) -> None:
+        with admin.connect() as conn:
+            conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+
+    try:
+        monkeypatch.setattr(engine_module, "PING_AFTER_IDLE_S", 3600.0)
+        first = backend()
+        assert backend() == first and pings == []  # just used: no ping
+        monkeypatch.setattr(engine_module, "PING_AFTER_IDLE_S", 0.0)
+        assert backend() == first and len(pings) == 1  # idle: pinged, alive, kept
+        kill(first)
+        second = backend()  # pinged, found dead, replaced
+        assert second != first and len(pings) == 2
+        # Without the ping, the server going away shows in the one query that meets it,
+        # and the pool starts afresh for the next.
+        monkeypatch.setattr(engine_module, "PING_AFTER_IDLE_S", 3600.0)
+        kill(second)
+        with pytest.raises(OperationalError):
+            backend()
+        assert backend() not in (first, second) and len(pings) == 2
+    finally:
+        engine.dispose()
+        admin.dispose()

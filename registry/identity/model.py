@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,4 +34,11 @@ class ModelIdentity:
     @property
     def key(self) -> Digest:
         """One digest naming the whole identity (catalog key, prefix-chain seed)."""
-        return Digest.of(canonical_json(self.to_json()))
+        return _key_of(self)
+
+
+# A lookup asks for its model's key a few times, and its canonical JSON cost more than the
+# rest of the lookup's hashing; a process sees few models.
+@functools.lru_cache(maxsize=64)
+def _key_of(identity: ModelIdentity) -> Digest:
+    return Digest.of(canonical_json(identity.to_json()))
