@@ -209,7 +209,8 @@ def test_tensor_parallel_ranks_restore_and_publish_their_heads(tmp_path: Path) -
     a graft keeps both heads, each rank restores its own, and the restore is exact against
     the publishing engine's two-step reference. The tensor-parallel size is part of the
     engine identity: an engine without parallelism restores it only when cross-layout
-    restores are allowed (its figures printed: approximate, not asserted)."""
+    restores are allowed, and the reverse (their figures printed: approximate, not
+    asserted)."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("two tensor-parallel ranks need two cores")
@@ -232,28 +233,39 @@ def test_tensor_parallel_ranks_restore_and_publish_their_heads(tmp_path: Path) -
     assert m.provenance["engine"]["tensor_parallel_size"] == 2
     assert m.model_config["num_key_value_heads"] == 2
     _assert_graft_is_a_prefill(tmp_path / "graft.kv", model, home, Q1[:256])
-    # engines without parallelism, consumers only: another identity, so computed (c's
-    # second prompt is its own two-step reference, from vLLM's prefix cache) ...
-    c = run_node(model, node_env(shared, tmp_path / "c"), [Q1[:256], Q1], role="kv_consumer")
+    # an engine without parallelism: another identity, so computed (c's second prompt is
+    # its own two-step reference, from vLLM's prefix cache); it publishes into a repository
+    # of its own ...
+    single = f"{REPO}-tp1"
+    c = run_node(model, node_env(shared, tmp_path / "c"), [Q1[:256], Q1],
+                 extra={"repository": single, "restore_from": [REPO], "restore_when": "always"})
     assert c[0]["cached"] == 0 and c[1]["cached"] == 256
-    # ... unless cross-layout restores are allowed: then restored, approximate
+    # ... and restores the TP=2 graft only when cross-layout restores are allowed:
+    # approximate; so does a TP=2 engine the TP=1 graft, against a's two-step
     d = run_node(model, node_env(shared, tmp_path / "d"), [Q1], prefix_caching=False,
                  role="kv_consumer", extra={"repository": REPO, "restore_when": "always",
                                             "allow_cross_layout": True})
     assert d[0]["cached"] == 256
+    f = run_node(model, {**node_env(shared, tmp_path / "f"), **bind}, [Q1],
+                 tensor_parallel=2, prefix_caching=False, role="kv_consumer",
+                 extra={"repository": single, "restore_when": "always",
+                        "allow_cross_layout": True})
+    assert f[0]["cached"] == 256
     reg = Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
                           blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
     try:
         crossed = [e.detail["cross_layout"] for e in reg.log(action="restore")]
-        assert sorted(crossed) == [False, True]  # b's exact restore, d's across layouts
+        assert sorted(crossed) == [False, True, True]  # b exact; d, f across layouts
     finally:
         reg.close()
-    tokens = list(zip(c[1]["tokens"], d[0]["tokens"], strict=True))
-    agree = next((i for i, (x, y) in enumerate(tokens) if x != y), len(tokens))
-    gap = max(abs(x - y) for x, y in zip(c[1]["logprobs"][:agree + 1],
-                                          d[0]["logprobs"][:agree + 1], strict=True))
-    print(f"cross-layout restore (TP=2 graft, TP=1 engine): the first {agree} of "
-          f"{len(tokens)} greedy tokens equal, largest logprob difference {gap:.3g}")
+    for what, reference, restored in (("TP=2 graft, TP=1 engine", c[1], d[0]),
+                                      ("TP=1 graft, TP=2 engine", a[1], f[0])):
+        tokens = list(zip(reference["tokens"], restored["tokens"], strict=True))
+        agree = next((i for i, (x, y) in enumerate(tokens) if x != y), len(tokens))
+        gap = max(abs(x - y) for x, y in zip(reference["logprobs"][:agree + 1],
+                                              restored["logprobs"][:agree + 1], strict=True))
+        print(f"cross-layout restore ({what}): the first {agree} of {len(tokens)} greedy "
+              f"tokens equal, largest logprob difference {gap:.3g}")
 
 
 @pytest.fixture
