@@ -38,10 +38,12 @@ from kvgraft.client import Registry
 from kvgraft.config import Config
 from kvgraft.integrations.llamacpp import gguf as gg
 from kvgraft.integrations.llamacpp.engine import Settings, load_model
-from kvgraft.integrations.llamacpp.graft import greedy, prefill
+from kvgraft.integrations.llamacpp.graft import greedy, load_graft, prefill
 from kvgraft.integrations.llamacpp.state import (
     LayerKV,
+    SeqStateBuilder,
     Shape,
+    api_header,
     build_seq_state,
     parse_seq_state,
 )
@@ -169,6 +171,14 @@ def test_state_layout_round_trips(v_trans: bool) -> None:
     assert (n, trans) == (6, v_trans)
     for a, b in zip(layers, back, strict=True):
         assert np.array_equal(a.key[:, :6], b.key) and np.array_equal(a.value[:, :6], b.value)
+    # filled range by range, in any order, ranges past n clipped, into larger old memory
+    into = bytearray(b"\xee" * (len(state) + 100))
+    builder = SeqStateBuilder(layers, 6, v_trans, prefix=b"hd", into=into)
+    for start, end in [(4, 7), (0, 2), (2, 4), (7, 9)]:
+        builder.fill(start, end)
+    size = builder.release()
+    assert size == len(state) + 2 and into[:size] == b"hd" + state
+    into.extend(b"x")  # released: no view of it remains
 
 
 def test_graft_on_another_machine(model: Path, captured: dict[str, Any]) -> None:
@@ -185,6 +195,29 @@ def test_graft_on_another_machine(model: Path, captured: dict[str, Any]) -> None
     prefill(lm, [])
     fresh = [t for _, t in greedy(lm, ids, 7, stop={lm.eos})]
     assert out["generated"] == fresh
+
+
+def test_state_built_while_verifying_is_the_one_built_after(model: Path,
+                                                             captured: dict[str, Any]) -> None:
+    # load_graft copies each verified chunk into llama.cpp's layout for the tokens `build`
+    # asks for; a restore of those takes it, any other count builds anew, same bytes.
+    reg = Registry(Config.from_env(captured["b"]))
+    lm = load_model(model, cache_dir=None, settings=Settings(threads=2))
+    kept = reg.manifest(reg.resolve(REF)).file_digest
+    for assembled in (True, False):  # from the chunk blobs, then from the kept copy
+        if assembled:
+            reg.cache.blobs.delete(kept)
+        graft = load_graft(reg, lm, REF, build=lambda ids: len(ids) - 5)
+        assert reg.cache.blobs._path(kept).is_file()  # kept for the next load
+        n = graft.token_count - 5
+        assert graft.built is not None
+        for count in (n, graft.token_count, n):  # built, not built, taken (built again)
+            want = build_seq_state(graft.layers, count, lm.v_trans, prefix=api_header())
+            with graft.state(lm, count) as got:
+                assert bytes(got) == bytes(want)
+        assert graft.built.buf is None  # taken by the first
+        assert len(lm.scratch.take()) >= len(want)  # given back for the next load
+    assert load_graft(reg, lm, REF, build=lambda ids: 0).built is None
 
 
 def test_verify_graft_is_byte_exact_and_attested(model: Path, captured: dict[str, Any],

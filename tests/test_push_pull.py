@@ -2,9 +2,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -473,3 +475,38 @@ def test_an_assembled_graft_kept_in_the_cache_is_checked_on_every_read(
     raw[len(raw) // 2] ^= 1  # and inside a chunk's KV
     kept.write_bytes(bytes(raw))
     assert read() == want
+    assert read_filled(opened, want) == 1  # the rebuilt copy kept, verified
+    raw[len(raw) // 2] ^= 1 << 1
+    kept.write_bytes(bytes(raw))
+    assert read_filled(opened, want) == 2  # the kept copy refused: filled again, rebuilt
+
+
+def read_filled(opened: Any, want: bytes) -> int:
+    """read_kv with a filler that checks each range it is told is verified is there and
+    that every chunk is told once for the buffer read_kv returns; how many buffers it saw."""
+    from kvgraft.formats.kvfile import KVLayout
+    from kvgraft.transfer.materialise import KVBuffer, read_kv
+
+    told: list[tuple[KVBuffer, int, list[tuple[int, int]]]] = []
+
+    def fill(layout: KVLayout, buf: KVBuffer, base: int) -> Callable[[int, int], None]:
+        key = layout.layers[0].key
+        heads, tokens, dim = key.shape
+        mine: list[tuple[int, int]] = []
+        told.append((buf, base, mine))
+
+        def rows(data: Any, at: int, start: int, end: int) -> bytes:
+            flat = np.frombuffer(data, np.uint8, count=key.nbytes, offset=at + key.begin)
+            return flat.reshape(heads, tokens, dim * key.itemsize)[:, start:end].tobytes()
+
+        def verified(start: int, end: int) -> None:
+            assert rows(buf, base, start, end) == rows(want, 0, start, end)
+            mine.append((start, end))
+
+        return verified
+
+    layout, buf, base = read_kv(opened.manifest, opened.fetcher, fill=fill)
+    assert bytes(memoryview(buf)[base : base + layout.file_size]) == want
+    assert told[-1][0] is buf and told[-1][1] == base
+    assert sorted(told[-1][2]) == [(c.start, c.end) for c in opened.manifest.chunks]
+    return len(told)

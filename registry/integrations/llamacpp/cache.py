@@ -52,7 +52,7 @@ from kvgraft.formats.manifest import BlobRef
 from kvgraft.integrations.background import Background, Counters
 from kvgraft.integrations.llamacpp.engine import LlamaModel
 from kvgraft.integrations.llamacpp.graft import load_graft, write_graft
-from kvgraft.integrations.llamacpp.state import build_seq_state, kv_tensors, parse_seq_state
+from kvgraft.integrations.llamacpp.state import kv_tensors, parse_seq_state
 from kvgraft.integrations.prefetch import prefetch, split_cached
 from kvgraft.integrations.restorecost import (
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -218,8 +218,10 @@ class RegistryCache(BaseLlamaCache):
                                                           self.cost.store.observe))
             raise RestoreSlower(estimate)
         t0 = time.perf_counter()
+        head = arch_header(self.lm)
         graft = load_graft(self.registry, self.lm,
-                           Reference(name or self.settings.repository, digest=found.digest))
+                           Reference(name or self.settings.repository, digest=found.digest),
+                           build=lambda ids: min(found.length, len(ids)), prefix=head)
         if lacking:  # the whole load, verifying included: what the estimate stands for
             self.cost.store.observe(missing_bytes, len(lacking), time.perf_counter() - t0)
         log.info("kvgraft: restoring %d prompt tokens from %s (%s)",
@@ -227,8 +229,8 @@ class RegistryCache(BaseLlamaCache):
         n = min(found.length, graft.token_count)
         if list(graft.token_ids[:n]) != list(key[:n]):
             raise IntegrityError(f"graft {found.digest} does not hold the matched tokens")
-        state = bytes(build_seq_state(graft.layers, n, self.lm.v_trans,
-                                      prefix=arch_header(self.lm)))
+        with graft.state(self.lm, n, prefix=head) as built:
+            state = bytes(built)
         # llama.cpp sets the state and computes the rest after this returns: both are in
         # the prefill the engine measures, so the overhead here is the load beyond its bytes
         self.cost.observe_restore(time.perf_counter() - t0, estimate)

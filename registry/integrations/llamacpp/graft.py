@@ -4,11 +4,12 @@ hand it to llama.cpp, and generate from the rest of the prompt."""
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,8 +35,8 @@ from kvgraft.integrations.llamacpp.engine import (
 from kvgraft.integrations.llamacpp.state import (
     KV_TYPES,
     LayerKV,
+    SeqStateBuilder,
     api_header,
-    build_seq_state,
     kv_tensors,
     parse_seq_state,
     strip_api_header,
@@ -126,6 +127,22 @@ def _user() -> str:
         return "unknown"
 
 
+class _Built:
+    """The sequence state load_graft built while it verified, until a restore takes it."""
+
+    __slots__ = ("buf", "key", "size")
+
+    def __init__(self, buf: bytearray, key: tuple[int, bool, bytes], size: int) -> None:
+        self.buf: bytearray | None = buf
+        self.key, self.size = key, size  # key: tokens, V transposed, prefix
+
+    def take(self, key: tuple[int, bool, bytes]) -> tuple[bytearray, int] | None:
+        if self.buf is None or key != self.key:
+            return None
+        buf, self.buf = self.buf, None
+        return buf, self.size
+
+
 @dataclass(frozen=True, slots=True)
 class LlamaGraft:
     """A verified graft, as [heads, T, dim] arrays over its KV file's bytes."""
@@ -137,20 +154,40 @@ class LlamaGraft:
     layers: tuple[LayerKV, ...]
     report: CompatReport
     buffer: KVBuffer  # keeps the bytes the arrays view alive
+    built: _Built | None = None
 
     @property
     def token_count(self) -> int:
         return len(self.token_ids)
 
+    @contextlib.contextmanager
+    def state(self, lm: LlamaModel, n: int, *, prefix: bytes | None = None,
+              ) -> Iterator[memoryview]:
+        """llama.cpp's state bytes of the first `n` tokens after `prefix` (default
+        `api_header()`): the ones load_graft built while verifying when they are those, else
+        built now. Valid inside the block; the memory then goes back to `lm`'s scratch."""
+        if not 0 < n <= self.token_count:
+            raise UsageError(f"cannot restore {n} of {self.token_count} tokens")
+        head = api_header() if prefix is None else prefix
+        got = self.built.take((n, lm.v_trans, head)) if self.built is not None else None
+        if got is None:
+            buf = lm.scratch.take()
+            builder = SeqStateBuilder(self.layers, n, lm.v_trans, prefix=head, into=buf)
+            builder.fill(0, n)
+            size = builder.release()
+        else:
+            buf, size = got
+        view = memoryview(buf)[:size]
+        yield view  # on an exception the memory is dropped, not reused: views may remain
+        view.release()
+        lm.scratch.give(buf)
+
     def restore(self, lm: LlamaModel, n: int | None = None) -> float:
         """Make the first `n` tokens (all by default) llama.cpp's sequence 0; seconds."""
         n = self.token_count if n is None else n
-        if not 0 < n <= self.token_count:
-            raise UsageError(f"cannot restore {n} of {self.token_count} tokens")
         t0 = time.perf_counter()
-        state = build_seq_state(self.layers, n, lm.v_trans, prefix=api_header(),
-                                into=lm.scratch)
-        set_seq_state(lm, state, list(self.token_ids[:n]))
+        with self.state(lm, n) as state:
+            set_seq_state(lm, state, list(self.token_ids[:n]))
         return time.perf_counter() - t0
 
 
@@ -177,11 +214,23 @@ def _array(buf: KVBuffer, base: int, info: Any) -> Any:
     return flat.reshape(info.shape)
 
 
+def all_tokens(ids: tuple[int, ...]) -> int:
+    return len(ids)
+
+
 def load_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
                force_incompatible: bool = False, require_signed_by: Sequence[str] = (),
-               require_verified: bool = False, for_verification: bool = False) -> LlamaGraft:
+               require_verified: bool = False, for_verification: bool = False,
+               build: Callable[[tuple[int, ...]], int] = all_tokens,
+               prefix: bytes | None = None) -> LlamaGraft:
     """Open `ref` under the policy, refuse it unless it belongs to `lm` (or, forced, record
-    that in the audit log), and read it through the machine cache, every byte verified."""
+    that in the audit log), and read it through the machine cache, every byte verified.
+
+    While it verifies, each chunk is also copied into llama.cpp's state layout for the first
+    `build(token ids)` tokens after `prefix` (see LlamaGraft.state), on the verifying
+    threads: converting overlaps hashing, and a restore of those tokens only hands the
+    state to llama.cpp. The token ids `build` sees there are not yet verified; the state is
+    kept only if it gives the same count for the verified ones."""
     reference = Reference.parse(ref) if isinstance(ref, str) else ref
     opened = registry.open(reference, require_signed_by=require_signed_by,
                            require_verified=require_verified, model=lm.identity,
@@ -189,15 +238,52 @@ def load_graft(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
     what = f"graft {reference}"
     report = admit(registry.events, reference, opened.digest, opened.manifest, lm.fingerprint,
                    force_incompatible=force_incompatible, log=log)
-    layout, buf, base = read_kv(opened.manifest, opened.fetcher)
-    _check_structure(layout, lm, what)
+    head = api_header() if prefix is None else prefix
+    builders: list[SeqStateBuilder] = []
+    buf = lm.scratch.take()
+
+    def fill(layout: KVLayout, kv: KVBuffer, base: int) -> Callable[[int, int], None]:
+        _check_structure(layout, lm, what)
+        for old in builders:  # of a kept copy that failed its check: its views go first
+            old.release()
+        builders.clear()
+        n = min(build(_token_ids(kv, base, layout)), layout.token_count)
+        if n <= 0:
+            return lambda start, end: None
+        builders.append(SeqStateBuilder(_layers(kv, base, layout), n, lm.v_trans,
+                                        prefix=head, into=buf))
+        return builders[-1].fill
+
+    try:
+        layout, kv, base = read_kv(opened.manifest, opened.fetcher, fill=fill)
+    except BaseException:
+        for old in builders:
+            old.release()
+        lm.scratch.give(buf)
+        raise
     if not registry.config.offline and reference.tag is not None:
         registry.cache.put_ref(reference, opened.digest)
-    layers = tuple(LayerKV(_array(buf, base, li.key), _array(buf, base, li.value),
-                           li.key.dtype) for li in layout.layers)
-    tokens = tuple(int(t) for t in np.frombuffer(buf, dtype="<i8", count=layout.token_count,
-                                                 offset=base + layout.token_ids.begin))
-    return LlamaGraft(reference, opened.digest, opened.manifest, tokens, layers, report, buf)
+    tokens = _token_ids(kv, base, layout)
+    built = None
+    if builders:
+        builder = builders[-1]
+        size = builder.release()
+        if builder.n == min(build(tokens), len(tokens)):
+            built = _Built(buf, (builder.n, lm.v_trans, head), size)
+    if built is None:
+        lm.scratch.give(buf)
+    return LlamaGraft(reference, opened.digest, opened.manifest, tokens,
+                      _layers(kv, base, layout), report, kv, built)
+
+
+def _token_ids(buf: KVBuffer, base: int, layout: KVLayout) -> tuple[int, ...]:
+    return tuple(np.frombuffer(buf, dtype="<i8", count=layout.token_count,
+                               offset=base + layout.token_ids.begin).tolist())
+
+
+def _layers(buf: KVBuffer, base: int, layout: KVLayout) -> tuple[LayerKV, ...]:
+    return tuple(LayerKV(_array(buf, base, li.key), _array(buf, base, li.value), li.key.dtype)
+                 for li in layout.layers)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -262,11 +348,16 @@ def graft_generate(registry: Registry, lm: LlamaModel, ref: Reference | str, *,
     if not ids:
         raise UsageError("the prompt has no tokens")
     lm = fit_context(lm, len(ids) + max_new_tokens)
+
+    def reusable(graft_ids: Sequence[int]) -> int:
+        return min(common_prefix(graft_ids, ids), len(ids) - 1)
+
     t0 = time.perf_counter()
     graft = load_graft(registry, lm, ref, force_incompatible=force_incompatible,
-                       require_signed_by=require_signed_by, require_verified=require_verified)
+                       require_signed_by=require_signed_by, require_verified=require_verified,
+                       build=reusable)
     t1 = time.perf_counter()
-    reused = min(common_prefix(graft.token_ids, ids), len(ids) - 1)
+    reused = reusable(graft.token_ids)
     if reused:
         graft.restore(lm, reused)
     else:

@@ -175,51 +175,82 @@ def kv_tensors(layers: Sequence[LayerKV]) -> list[tuple[RawTensor, RawTensor, in
     return out
 
 
-def build_seq_state(layers: Sequence[LayerKV], n: int, v_trans: bool, *,
-                    prefix: bytes = b"", into: bytearray | None = None) -> memoryview:
+class SeqStateBuilder:
     """The state bytes llama.cpp reads back as the first `n` positions of one sequence,
     from per-layer [heads, T, dim] arrays (T >= n), after `prefix` (`api_header()` for
-    llama_state_seq_set_data). Each tensor is transposed straight into its place in the
-    result: one strided copy, no intermediate array. With `into` (grown if too small) the
-    bytes are built there: a fresh buffer of a 2048-token state costs more in page faults
-    (~28 ms for 47 MB here) than the copies do."""
-    if not layers or n <= 0:
-        raise UsageError("nothing to restore")
-    meta = np.zeros((n, 3), dtype="<i4")
-    meta[:, 0] = np.arange(n)
-    meta[:, 1] = 1
-    heads: list[bytes] = [prefix + struct.pack("<II", 1, n) + meta.tobytes()
-                          + struct.pack("<II", int(v_trans), len(layers))]
-    # (header before the tensor, destination shape, source view in that shape)
-    plan: list[tuple[bytes, tuple[int, ...], Any]] = []
-    for layer in layers:
-        k = layer.key[:, :n, :].transpose(1, 0, 2)
-        plan.append((struct.pack("<iQ", GGML_IDS[layer.dtype], k[0].nbytes), k.shape, k))
-    for layer in layers:
-        v = layer.value[:, :n, :]
-        if v_trans:
-            cols = v.transpose(0, 2, 1)
-            head = struct.pack("<iII", GGML_IDS[layer.dtype], cols.itemsize,
-                               cols.shape[0] * cols.shape[1])
-            plan.append((head, cols.shape, cols))
-        else:
-            rows = v.transpose(1, 0, 2)
-            plan.append((struct.pack("<iQ", GGML_IDS[layer.dtype], rows[0].nbytes),
-                         rows.shape, rows))
-    size = len(heads[0]) + sum(len(h) + src.nbytes for h, _, src in plan)
-    out = bytearray(size) if into is None else into
-    if len(out) < size:
-        out.extend(bytes(size - len(out)))
-    out[: len(heads[0])] = heads[0]
-    pos = len(heads[0])
-    for head, shape, src in plan:
-        out[pos : pos + len(head)] = head
-        pos += len(head)
-        dst = np.frombuffer(out, dtype=src.dtype, count=src.size, offset=pos).reshape(shape)
-        dst[...] = src
-        pos += src.nbytes
-        del dst  # a view of `out`: gone before the next growth could move it
-    return memoryview(out)[:size]
+    llama_state_seq_set_data), filled token range by token range: `fill(start, end)` copies
+    those positions of every layer's K and V straight into their places (one strided copy
+    per tensor, no intermediate array; numpy releases the GIL, so ranges fill in parallel).
+    With `into` (grown if too small) the bytes are built there: a fresh buffer of a
+    2048-token state costs more in page faults (~28 ms for 47 MB here) than the copies do."""
+
+    def __init__(self, layers: Sequence[LayerKV], n: int, v_trans: bool, *,
+                 prefix: bytes = b"", into: bytearray | None = None) -> None:
+        if not layers or n <= 0:
+            raise UsageError("nothing to restore")
+        self.n = n
+        meta = np.zeros((n, 3), dtype="<i4")
+        meta[:, 0] = np.arange(n)
+        meta[:, 1] = 1
+        head = (prefix + struct.pack("<II", 1, n) + meta.tobytes()
+                + struct.pack("<II", int(v_trans), len(layers)))
+        # (header before the tensor, source [heads, T, dim], V transposed to [heads, dim, n])
+        plan: list[tuple[bytes, Any, bool]] = []
+        for layer in layers:
+            row = layer.key.shape[0] * layer.key.shape[2] * layer.key.itemsize
+            plan.append((struct.pack("<iQ", GGML_IDS[layer.dtype], row), layer.key, False))
+        for layer in layers:
+            v = layer.value
+            if v_trans:
+                plan.append((struct.pack("<iII", GGML_IDS[layer.dtype], v.itemsize,
+                                         v.shape[0] * v.shape[2]), v, True))
+            else:
+                row = v.shape[0] * v.shape[2] * v.itemsize
+                plan.append((struct.pack("<iQ", GGML_IDS[layer.dtype], row), v, False))
+        self.size: int = len(head) + sum(len(h) + int(src[:, :n, :].nbytes)
+                                         for h, src, _ in plan)
+        out = bytearray(self.size) if into is None else into
+        if len(out) < self.size:
+            out.extend(bytes(self.size - len(out)))
+        self.out = out
+        out[: len(head)] = head
+        pos = len(head)
+        # (source, destination view of `out`: [n, heads, dim] rows or [heads, dim, n] columns)
+        self._copies: list[tuple[Any, Any, bool]] = []
+        for h, src, cols in plan:
+            out[pos : pos + len(h)] = h
+            pos += len(h)
+            heads, _, dim = src.shape
+            shape = (heads, dim, n) if cols else (n, heads, dim)
+            dst = np.frombuffer(out, dtype=src.dtype, count=heads * dim * n, offset=pos)
+            self._copies.append((src, dst.reshape(shape), cols))
+            pos += heads * dim * n * src.itemsize
+
+    def fill(self, start: int, end: int) -> None:
+        """Copy positions [start, end) (clipped to the n built) of every K and V."""
+        end = min(end, self.n)
+        if start >= end:
+            return
+        for src, dst, cols in self._copies:
+            part = src[:, start:end, :]
+            if cols:
+                dst[:, :, start:end] = part.transpose(0, 2, 1)
+            else:
+                dst[start:end] = part.transpose(1, 0, 2)
+
+    def release(self) -> int:
+        """Drop the views into `out` (so it may grow again); the size of the state in it."""
+        self._copies.clear()
+        return self.size
+
+
+def build_seq_state(layers: Sequence[LayerKV], n: int, v_trans: bool, *,
+                    prefix: bytes = b"") -> bytearray:
+    """SeqStateBuilder's bytes for the first `n` positions, filled at once, in new memory."""
+    builder = SeqStateBuilder(layers, n, v_trans, prefix=prefix)
+    builder.fill(0, n)
+    builder.release()
+    return builder.out
 
 
 # --- seq-state files ('ggsq': llama_state_seq_save_file, llama-server's slot save) --------
