@@ -179,8 +179,8 @@ class SeqStateBuilder:
     """The state bytes llama.cpp reads back as the first `n` positions of one sequence,
     from per-layer [heads, T, dim] arrays (T >= n), after `prefix` (`api_header()` for
     llama_state_seq_set_data), filled token range by token range: `fill(start, end)` copies
-    those positions of every layer's K and V straight into their places (one strided copy
-    per tensor, no intermediate array; numpy releases the GIL, so ranges fill in parallel).
+    those positions of every layer's K and V into their places (a strided copy per tensor;
+    numpy releases the GIL, so ranges fill in parallel).
     With `into` (grown if too small) the bytes are built there: a fresh buffer of a
     2048-token state costs more in page faults (~28 ms for 47 MB here) than the copies do."""
 
