@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -510,3 +511,44 @@ def read_filled(opened: Any, want: bytes) -> int:
     assert told[-1][0] is buf and told[-1][1] == base
     assert sorted(told[-1][2]) == [(c.start, c.end) for c in opened.manifest.chunks]
     return len(told)
+
+
+def test_kept_chunk_plans_are_bounded_by_their_runs(make_registry: RegistryFactory,
+                                                    tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # read_kv keeps each manifest's layout and chunk plans, least recently used out first,
+    # within a number of runs; a manifest larger than that is planned every time.
+    from kvgraft.transfer import materialise
+
+    reg = make_registry()
+    opened = []
+    for i, tokens in enumerate((200, 200, 900)):  # 1, 1 and 4 chunks
+        src = write_synthetic(tmp_path / f"{i}.kv", tokens=tokens, seed=i)
+        reg.push(src, f"t/p{i}")
+        opened.append((reg.open(f"t/p{i}"), src.read_bytes()))
+    runs = [sum(len(p.runs) for p in materialise._plan(o.manifest, o.fetcher)[1])
+            for o, _ in opened]
+    monkeypatch.setattr(materialise, "_PLANNED", OrderedDict())
+    monkeypatch.setattr(materialise, "_planned_runs", 0)
+    monkeypatch.setattr(materialise, "_PLANNED_MAX_RUNS", runs[0] + runs[1])
+
+    def kept() -> list[int]:
+        return [i for i, (o, _) in enumerate(opened)
+                if (o.manifest.digest, o.manifest.header.digest) in materialise._PLANNED]
+
+    def read(i: int) -> None:
+        o, want = opened[i]
+        layout, buf, base = materialise.read_kv(o.manifest, o.fetcher)
+        assert bytes(memoryview(buf)[base : base + layout.file_size]) == want
+
+    read(0)
+    read(1)
+    assert kept() == [0, 1]
+    read(0)  # used again: 1 is now the least recently used
+    read(2)  # larger than 0 and 1 together: not kept, nothing evicted for it
+    assert kept() == [0, 1] and materialise._planned_runs == runs[0] + runs[1]
+    monkeypatch.setattr(materialise, "_PLANNED_MAX_RUNS", runs[0] + runs[2])
+    read(2)  # kept: 1 goes first, then 0 still fits
+    assert kept() == [0, 2] and materialise._planned_runs == runs[0] + runs[2]
+    for i in range(3):
+        read(i)

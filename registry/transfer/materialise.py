@@ -88,29 +88,38 @@ def _assemble(manifest: Manifest, plans: list[ChunkPlan], layout: KVLayout, fetc
             fut.result()
 
 
-_PLANNED: OrderedDict[tuple[Digest, Digest], tuple[KVLayout, list[ChunkPlan]]] = OrderedDict()
-_PLANNED_MAX = 64
+_Planned = tuple[KVLayout, list[ChunkPlan], int]  # layout, chunk plans, their runs
+_PLANNED: OrderedDict[tuple[Digest, Digest], _Planned] = OrderedDict()
+# Bounded by runs, not entries: a long graft of a wide model has hundreds of thousands
+# (~70 bytes each), a 2048-token SmolLM2 graft 1,440.
+_PLANNED_MAX_RUNS = 250_000
+_planned_runs = 0
 _planned_lock = threading.Lock()
 
 
 def _plan(manifest: Manifest, fetcher: Fetcher) -> tuple[KVLayout, list[ChunkPlan]]:
     """The layout and chunk plans of `manifest`, remembered by its digest and its header
-    blob's (they fix both): reading and checking the header and planning the chunks cost
-    ~5 ms of a 2048-token restore from the machine cache here, every time the same."""
+    blob's (they fix both), least recently used first out: reading and checking the header
+    and planning the chunks cost ~5 ms of a 2048-token restore from the machine cache here,
+    every time the same."""
+    global _planned_runs
     key = (manifest.digest, manifest.header.digest)
     with _planned_lock:
         hit = _PLANNED.get(key)
         if hit is not None:
             _PLANNED.move_to_end(key)
-            return hit
+            return hit[0], hit[1]
     header, _ = fetcher.get(manifest.header)
     layout = layout_of(manifest, header)
-    planned = (layout, manifest_plans(manifest, layout))
+    plans = manifest_plans(manifest, layout)
+    runs = sum(len(p.runs) for p in plans)
     with _planned_lock:
-        _PLANNED[key] = planned
-        while len(_PLANNED) > _PLANNED_MAX:
-            _PLANNED.popitem(last=False)
-    return planned
+        if key not in _PLANNED and runs <= _PLANNED_MAX_RUNS:
+            _PLANNED[key] = (layout, plans, runs)
+            _planned_runs += runs
+            while _planned_runs > _PLANNED_MAX_RUNS:
+                _planned_runs -= _PLANNED.popitem(last=False)[1][2]
+    return layout, plans
 
 
 def _read_materialised(cache: Cache, manifest: Manifest) -> tuple[mmap.mmap, int] | None:
