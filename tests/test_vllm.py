@@ -268,6 +268,64 @@ def test_tensor_parallel_ranks_restore_and_publish_their_heads(tmp_path: Path) -
               f"tokens equal, largest logprob difference {gap:.3g}")
 
 
+@pytest.mark.slow
+def test_pipeline_stages_restore_and_publish_their_layers(tmp_path: Path) -> None:
+    """Two pipeline stages, one layer each (a worker process each, bound to a core of its
+    own): a publish joins both stages' layers into one graft at the last stage, each stage
+    restores its own layers of it, and the restore is exact against the publishing
+    engine's two-step. The pipeline size is part of the engine identity: an engine without
+    stages computes, or restores the graft only when cross-layout restores are allowed
+    (its figure printed: approximate, not asserted). vLLM's CPU runner needs compiled mode
+    for stages (with enforce_eager it never allocates the tensors a later stage receives
+    into: "assert self.intermediate_tensors is not None")."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("two pipeline stages need two cores")
+    model = node_model(tmp_path / "m", 0)  # 2 layers
+    home = tmp_path / "inspector"
+    shared = {"KVGRAFT_CATALOG_URL": f"sqlite:///{tmp_path / 'catalog.db'}",
+              "KVGRAFT_BLOB_URL": (tmp_path / "blobs").as_uri()}
+    Catalog.open(shared["KVGRAFT_CATALOG_URL"], auto_upgrade=True).close()
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[1]}"}
+    staged = {"pipeline_parallel": 2, "eager": False}
+    a = run_node(model, {**node_env(shared, tmp_path / "a"), **bind}, [Q1, Q1], **staged)
+    assert a[0]["cached"] == 0 and a[1]["cached"] == 256
+    b = run_node(model, {**node_env(shared, tmp_path / "b"), **bind}, [Q1],
+                 prefix_caching=False, **staged)
+    assert b[0]["cached"] == 256  # restored, not computed
+    assert b[0]["tokens"] == a[1]["tokens"]
+    assert b[0]["logprobs"] == a[1]["logprobs"]  # exact, not approximately
+    m = _pulled(shared, home, tmp_path / "graft.kv")
+    assert m.provenance["engine"]["pipeline_parallel_size"] == 2
+    assert len(m.layers) == 2
+    _assert_graft_is_a_prefill(tmp_path / "graft.kv", model, home, Q1[:256])
+    # an engine without stages: another identity, so computed (its second prompt is its own
+    # two-step reference) ...
+    single = f"{REPO}-pp1"
+    c = run_node(model, node_env(shared, tmp_path / "c"), [Q1[:256], Q1], eager=False,
+                 extra={"repository": single, "restore_from": [REPO], "restore_when": "always"})
+    assert c[0]["cached"] == 0 and c[1]["cached"] == 256
+    # ... and restores the two-stage graft only when cross-layout restores are allowed
+    d = run_node(model, node_env(shared, tmp_path / "d"), [Q1], eager=False,
+                 prefix_caching=False, role="kv_consumer",
+                 extra={"repository": REPO, "restore_when": "always",
+                        "allow_cross_layout": True})
+    assert d[0]["cached"] == 256
+    reg = Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
+                          blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
+    try:
+        crossed = [e.detail["cross_layout"] for e in reg.log(action="restore")]
+        assert sorted(crossed) == [False, True]  # b exact; d across layouts
+    finally:
+        reg.close()
+    tokens = list(zip(c[1]["tokens"], d[0]["tokens"], strict=True))
+    agree = next((i for i, (x, y) in enumerate(tokens) if x != y), len(tokens))
+    gap = max(abs(x - y) for x, y in zip(c[1]["logprobs"][:agree + 1],
+                                          d[0]["logprobs"][:agree + 1], strict=True))
+    print(f"cross-layout restore (two-stage graft, engine without stages): the first "
+          f"{agree} of {len(tokens)} greedy tokens equal, largest logprob difference {gap:.3g}")
+
+
 @pytest.fixture
 def black_hole() -> Iterator[int]:
     """A port that accepts connections (the kernel completes them) and never answers."""
@@ -371,7 +429,7 @@ def test_publish_lookup_prefetch(tmp_path: Path, catalog_url: str) -> None:
     from kvgraft.identity.model import ModelIdentity
     from kvgraft.integrations.vllm.identity import (
         EngineIdentity,
-        at_tensor_parallel,
+        at_layout,
         other_layouts,
     )
     from kvgraft.integrations.vllm.store import lookup, plan_restore, prefetch, publish
@@ -406,10 +464,19 @@ def test_publish_lookup_prefetch(tmp_path: Path, catalog_url: str) -> None:
         assert lookup(b, other, Q1, False) is None
         # a graft published at tensor-parallel size 2 (the model has 2 KV heads) is taken
         # only by a cross-layout restore, and the engine's own graft wins over it
-        tp2 = at_tensor_parallel(ident, 2)
+        tp2 = at_layout(ident, 2, 1)
         assert tp2.identity != ident.identity and tp2.engine["tensor_parallel_size"] == 2
-        assert at_tensor_parallel(tp2, 1) == ident
-        assert [o.identity for o in other_layouts(tp2)] == [ident.identity]
+        assert at_layout(tp2, 1, 1) == ident
+        assert other_layouts(tp2)[0].identity == ident.identity
+        # pipeline stages: another identity; the cross-layout candidates are every
+        # tensor-parallel size at every pipeline size up to the layers (2 here)
+        pp2 = at_layout(tp2, 2, 2)
+        assert pp2.engine["pipeline_parallel_size"] == 2 and pp2.identity != tp2.identity
+        assert at_layout(pp2, 1, 1) == ident
+        assert [o.identity for o in other_layouts(pp2)] == [
+            ident.identity, tp2.identity, at_layout(ident, 1, 2).identity]
+        assert [o.identity for o in other_layouts(ident)] == [
+            tp2.identity, at_layout(ident, 1, 2).identity, pp2.identity]
         across = publish(a, tp2, REPO, 256, Q2[:256], layers)
         publish(a, tp2, REPO, 256, Q1[:256], layers)
         assert lookup(b, ident, Q2, False) is None

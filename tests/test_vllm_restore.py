@@ -43,16 +43,18 @@ def graft(make_registry: RegistryFactory, tmp_path: Path) -> Graft:
 
 
 def _restore(reg: Registry, chunks: list[restore.Chunk], threads: int, hot: HotChunks,
-             blocks: list[int], start: int = 0) -> list[paged.PagedLayer]:
+             blocks: list[int], start: int = 0, first: int = 0) -> list[paged.PagedLayer]:
+    """Restore into fresh paged caches of the graft's layers from `first` on (a pipeline
+    stage's)."""
     caches = [torch.zeros(len(blocks) + 3, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
-              for _ in range(LAYERS)]
+              for _ in range(first, LAYERS)]
     views = [paged.block_view(c, HEADS, BLOCK, DIM, torch.bfloat16, isa="vec") for c in caches]
     reader = restore.Reader(Fetcher(reg.store, reg.cache, keep_decoded=True), hot,
                             restore.buffers(threads, max(c[3] for c in chunks), []))
-    target = restore.Target(views, BLOCK, blocks, start, TOKENS, 2, slice(None))
+    target = restore.Target(views, BLOCK, blocks, start, TOKENS, 2, slice(None), first)
     todo = [c for c in chunks if c[1] > start]
     done = restore.load(reader, target, todo, threads)
-    assert sum(w for w, _ in done) == 2 * LAYERS * HEADS * DIM * (TOKENS - start) * 2
+    assert sum(w for w, _ in done) == 2 * (LAYERS - first) * HEADS * DIM * (TOKENS - start) * 2
     return views
 
 
@@ -73,6 +75,16 @@ def test_restore_writes_exactly_the_graft(graft: Graft, threads: int) -> None:
         gk, _ = paged.gather(view, blocks[3:])
         assert np.array_equal(paged._ints(gk), k[:, 3 * BLOCK:])
         assert not paged.gather(view, blocks[:3])[0].any()
+
+
+def test_a_pipeline_stage_restores_its_own_layers(graft: Graft) -> None:
+    reg, chunks, want = graft
+    blocks = [5, 0, 1, 2, 3, 4, 6, 7]
+    views = _restore(reg, chunks, 2, HotChunks(0), blocks, first=1)
+    assert len(views) == LAYERS - 1
+    for view, (k, v) in zip(views, want[1:], strict=True):
+        gk, gv = paged.gather(view, blocks)
+        assert np.array_equal(paged._ints(gk), k) and np.array_equal(paged._ints(gv), v)
 
 
 def test_a_chunk_altered_on_disk_is_refused(graft: Graft) -> None:

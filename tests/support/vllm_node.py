@@ -61,11 +61,13 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     lora_options: dict[str, Any] = ({"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
                                     if loras else {})
     parallel: dict[str, Any] = {}
-    if spec.get("tensor_parallel", 1) > 1:  # a worker process per rank, each on a core
-        parallel = {"tensor_parallel_size": spec["tensor_parallel"],
+    tp, pp = spec.get("tensor_parallel", 1), spec.get("pipeline_parallel", 1)
+    if tp * pp > 1:  # a worker process per rank, each on a core
+        parallel = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
                     "distributed_executor_backend": "mp"}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
-              max_model_len=spec.get("max_model_len", 1024), enforce_eager=True,
+              max_model_len=spec.get("max_model_len", 1024),
+              enforce_eager=spec.get("eager", True),
               kv_transfer_config=ktc, max_num_seqs=2, seed=0,
               enable_prefix_caching=spec.get("prefix_caching", True), **lora_options,
               **parallel)

@@ -81,6 +81,7 @@ class Target:
     end: int
     itemsize: int  # bytes of one KV element
     heads: slice  # the graft's KV heads the views hold (a tensor-parallel rank's own)
+    first: int = 0  # the graft's layer the first view holds (a pipeline stage's first)
 
 
 def load(reader: Reader, target: Target, chunks: Sequence[Chunk],
@@ -113,15 +114,15 @@ def _load_chunk(reader: Reader, target: Target, chunk: Chunk) -> tuple[int, floa
         bs = target.block_size
         blocks = target.block_ids[lo // bs : hi // bs]
         return write(view, target.views, blocks, lo - c_start, hi - c_start,
-                     target.itemsize, target.heads), tr
+                     target.itemsize, target.heads, target.first), tr
     finally:
         reader.free.put(buf)
 
 
 def write(view: memoryview, layers: Sequence[paged.PagedLayer], blocks: Sequence[int],
-          a: int, b: int, itemsize: int, heads: slice) -> int:
+          a: int, b: int, itemsize: int, heads: slice, first: int = 0) -> int:
     """Copy tokens [a, b) of a chunk (a KV file's bytes), KV heads `heads` of it, into
-    `blocks`, every layer; bytes written."""
+    `blocks`, the chunk's layers from `first` on into `layers`; bytes written."""
     hlen = int.from_bytes(view[:8], "little")
     header = json.loads(bytes(view[8 : 8 + hlen]))
     base = 8 + hlen
@@ -129,7 +130,7 @@ def write(view: memoryview, layers: Sequence[paged.PagedLayer], blocks: Sequence
     for i, dst in enumerate(layers):
         kv = []
         for part in ("key", "value"):
-            entry = header[f"layers.{i}.{part}"]
+            entry = header[f"layers.{first + i}.{part}"]
             t = paged.array_from(view, base + entry["data_offsets"][0],
                                  tuple(entry["shape"]), itemsize)
             kv.append(t[heads, a:b])

@@ -11,6 +11,9 @@ QKVParallelLinear gives rank r heads [r * h, (r + 1) * h) of h per rank). A graf
 all heads: each rank restores its own slice of it, and a publish gathers every rank's
 slice (one collective over the tensor-parallel group, which every rank enters: the
 scheduler's metadata is the same on all of them) and rank 0 stores it.
+
+Under pipeline parallelism each stage holds some of the layers: it restores its own layers
+of the graft, and a publish joins the stages' layers at the last stage (stages.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from kvgraft.client import Registry
 from kvgraft.errors import QuotaExceeded, RegistryError
-from kvgraft.integrations.vllm import paged, restore
+from kvgraft.integrations.vllm import paged, restore, stages
 from kvgraft.integrations.vllm.common import Context, KvgraftMetadata, LoadSpec, SaveSpec
 from kvgraft.integrations.vllm.hot import HotChunks, MiB
 from kvgraft.integrations.vllm.identity import EngineIdentity
@@ -46,22 +49,34 @@ class KvgraftConnectorWorker:
         self._hot = HotChunks(ctx.settings.memory_cache_mb * MiB)
         self._ranks, self._rank = 1, 0  # tensor-parallel size and this worker's rank
         self._heads = slice(None)  # the KV heads this rank holds
+        self._first = 0  # the model's layer index of self._views[0] (a pipeline stage's)
+        self._lead = True  # records the request's restore: rank 0 of stage 0
+        self._stages: stages.Exchange | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         ident = self.ctx.ident
         if ident is None:
             return
         try:
-            names = sorted(kv_caches, key=lambda n: int(_LAYER_INDEX.search(n).group(1)  # type: ignore[union-attr]
-                                                        ))
-            if len(names) != ident.layers:
-                raise RegistryError(f"{len(names)} paged KV layers, model has {ident.layers}")
+            by_index = {int(_LAYER_INDEX.search(n).group(1)): n for n in kv_caches}  # type: ignore[union-attr]
+            indices = sorted(by_index)
             self._ranks, self._rank = _tensor_parallel_rank()
+            stage, count = _pipeline_stage()
+            dtype = paged.TORCH_DTYPES[ident.kv_dtype]
+            if count > 1:
+                # the group first: every worker must enter its creation, whatever follows
+                group = stages.leaders_group(_stage_leaders())
+                at = stages.layout(ident.layers, indices, stage, count, self._rank == 0)
+                self._first, self._lead = at.first, self._rank == 0 and stage == 0
+                self._stages = stages.Exchange(at, group, dtype, self._joined)
+            elif indices != list(range(ident.layers)):
+                raise RegistryError(f"{len(indices)} paged KV layers, model has {ident.layers}")
+            else:
+                self._lead = self._rank == 0
             per = ident.kv_heads // self._ranks
             self._heads = slice(self._rank * per, (self._rank + 1) * per)
-            dtype = paged.TORCH_DTYPES[ident.kv_dtype]
-            self._views = [paged.block_view(kv_caches[n], per, self.ctx.block,
-                                            ident.head_dim, dtype) for n in names]
+            self._views = [paged.block_view(kv_caches[by_index[i]], per, self.ctx.block,
+                                            ident.head_dim, dtype) for i in indices]
         except Exception as e:
             self.ctx.disable("connector disabled (paged KV layout)", e)
 
@@ -87,7 +102,8 @@ class KvgraftConnectorWorker:
                                 self._hot, restore.buffers(threads, max(c[3] for c in todo),
                                                            self._bufs))
         target = restore.Target(self._views, self.ctx.block, spec.block_ids, spec.start,
-                                spec.plan.end, self._views[0].dtype.itemsize, self._heads)
+                                spec.plan.end, self._views[0].dtype.itemsize, self._heads,
+                                self._first)
         hits0 = self._hot.hits
         done = restore.load(reader, target, todo, threads)
         # hits: approximate if two restores overlap (a log figure)
@@ -103,7 +119,7 @@ class KvgraftConnectorWorker:
                  "%d of %d chunks from memory)",
                  tokens, spec.plan.digest, len(spec.block_ids),
                  written / 1e6, seconds, waited, in_memory, chunks)
-        if self._rank != 0:  # one restore of the request: counted and recorded once
+        if not self._lead:  # one restore of the request: counted and recorded once
             return
         self.ctx.counters.add("restored")
         self.ctx.counters.add("restored_tokens", tokens)
@@ -119,7 +135,7 @@ class KvgraftConnectorWorker:
         m = _LAYER_INDEX.search(layer_name)
         if m is None:
             return
-        view = self._views[int(m.group(1))]
+        view = self._views[int(m.group(1)) - self._first]
         for spec in meta.saves:
             self._saving.setdefault(spec.req_id, []).append(
                 paged.gather(view, spec.block_ids))
@@ -127,17 +143,27 @@ class KvgraftConnectorWorker:
     def wait_for_save(self, meta: KvgraftMetadata) -> None:
         if not meta.saves:
             return
-        registry = self.ctx.registry
         for spec in meta.saves:
             layers = self._saving.pop(spec.req_id, [])
             if self._ranks > 1:  # every rank enters the collective, whatever it then does
                 layers = _all_heads(layers)
                 if self._rank != 0:
                     continue
-            ident = self.ctx.keyed(spec.key)
-            if registry is None or ident is None or len(layers) != ident.layers:
+            if self._stages is not None:  # every stage hands over, whatever it then does
+                self._stages.submit(spec, layers)
                 continue
-            self.ctx.bg.submit("publish", self._publisher(registry, ident, spec, layers))
+            self._publish(spec, layers)
+
+    def _joined(self, spec: SaveSpec, layers: stages.Layers | None) -> None:
+        """A publish's layers from every pipeline stage (None: a stage had none)."""
+        if layers is not None:
+            self._publish(spec, layers)
+
+    def _publish(self, spec: SaveSpec, layers: stages.Layers) -> None:
+        registry, ident = self.ctx.registry, self.ctx.keyed(spec.key)
+        if registry is None or ident is None or len(layers) != ident.layers:
+            return
+        self.ctx.bg.submit("publish", self._publisher(registry, ident, spec, layers))
 
     def _publisher(self, registry: Registry, ident: EngineIdentity, spec: SaveSpec,
                    layers: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
@@ -162,6 +188,8 @@ class KvgraftConnectorWorker:
         return errors
 
     def shutdown(self) -> None:
+        if self._stages is not None:
+            self._stages.close()
         self.ctx.close()
 
 
@@ -173,6 +201,22 @@ def _tensor_parallel_rank() -> tuple[int, int]:
     )
 
     return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+
+
+def _pipeline_stage() -> tuple[int, int]:
+    """(this worker's pipeline stage, the number of stages)."""
+    from vllm.distributed import get_pp_group
+
+    group = get_pp_group()
+    return group.rank_in_group, group.world_size
+
+
+def _stage_leaders() -> list[int]:
+    """The global ranks of every stage's tensor-parallel rank 0, in stage order (vLLM puts
+    the tensor-parallel ranks of a stage next to each other: rank = stage * tp + tp_rank)."""
+    from vllm.distributed import get_pp_group, get_tp_group
+
+    return [r - get_tp_group().rank_in_group for r in get_pp_group().ranks]
 
 
 def _all_heads(layers: list[tuple[torch.Tensor, torch.Tensor]],
