@@ -251,21 +251,30 @@ def test_tensor_parallel_ranks_restore_and_publish_their_heads(tmp_path: Path) -
                  extra={"repository": single, "restore_when": "always",
                         "allow_cross_layout": True})
     assert f[0]["cached"] == 256
+    assert _crossed_layouts(shared, home) == [False, True, True]  # b exact; d, f across
+    _print_agreement("TP=2 graft, TP=1 engine", c[1], d[0])
+    _print_agreement("TP=1 graft, TP=2 engine", a[1], f[0])
+
+
+def _crossed_layouts(shared: dict[str, str], home: Path) -> list[bool]:
+    """Whether each restore the audit log holds crossed layouts, sorted."""
     reg = Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
                           blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
     try:
-        crossed = [e.detail["cross_layout"] for e in reg.log(action="restore")]
-        assert sorted(crossed) == [False, True, True]  # b exact; d, f across layouts
+        return sorted(e.detail["cross_layout"] for e in reg.log(action="restore"))
     finally:
         reg.close()
-    for what, reference, restored in (("TP=2 graft, TP=1 engine", c[1], d[0]),
-                                      ("TP=1 graft, TP=2 engine", a[1], f[0])):
-        tokens = list(zip(reference["tokens"], restored["tokens"], strict=True))
-        agree = next((i for i, (x, y) in enumerate(tokens) if x != y), len(tokens))
-        gap = max(abs(x - y) for x, y in zip(reference["logprobs"][:agree + 1],
-                                              restored["logprobs"][:agree + 1], strict=True))
-        print(f"cross-layout restore ({what}): the first {agree} of {len(tokens)} greedy "
-              f"tokens equal, largest logprob difference {gap:.3g}")
+
+
+def _print_agreement(what: str, reference: dict[str, Any], restored: dict[str, Any]) -> None:
+    """An approximate restore's figures: greedy tokens equal, largest logprob difference
+    up to the first token that differs (printed, not asserted)."""
+    tokens = list(zip(reference["tokens"], restored["tokens"], strict=True))
+    agree = next((i for i, (x, y) in enumerate(tokens) if x != y), len(tokens))
+    gap = max(abs(x - y) for x, y in zip(reference["logprobs"][:agree + 1],
+                                          restored["logprobs"][:agree + 1], strict=True))
+    print(f"cross-layout restore ({what}): the first {agree} of {len(tokens)} greedy "
+          f"tokens equal, largest logprob difference {gap:.3g}")
 
 
 @pytest.mark.slow
@@ -311,19 +320,8 @@ def test_pipeline_stages_restore_and_publish_their_layers(tmp_path: Path) -> Non
                  extra={"repository": REPO, "restore_when": "always",
                         "allow_cross_layout": True})
     assert d[0]["cached"] == 256
-    reg = Registry(Config(home=home, catalog_url=shared["KVGRAFT_CATALOG_URL"],
-                          blob_url=shared["KVGRAFT_BLOB_URL"], cache_dir=home / "cache"))
-    try:
-        crossed = [e.detail["cross_layout"] for e in reg.log(action="restore")]
-        assert sorted(crossed) == [False, True]  # b exact; d across layouts
-    finally:
-        reg.close()
-    tokens = list(zip(c[1]["tokens"], d[0]["tokens"], strict=True))
-    agree = next((i for i, (x, y) in enumerate(tokens) if x != y), len(tokens))
-    gap = max(abs(x - y) for x, y in zip(c[1]["logprobs"][:agree + 1],
-                                          d[0]["logprobs"][:agree + 1], strict=True))
-    print(f"cross-layout restore (two-stage graft, engine without stages): the first "
-          f"{agree} of {len(tokens)} greedy tokens equal, largest logprob difference {gap:.3g}")
+    assert _crossed_layouts(shared, home) == [False, True]  # b exact; d across layouts
+    _print_agreement("two-stage graft, engine without stages", c[1], d[0])
 
 
 @pytest.fixture

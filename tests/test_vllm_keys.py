@@ -220,22 +220,16 @@ def test_lookup_searches_only_the_configured_repositories(tmp_path: Path) -> Non
         other.shutdown()
 
 
-@pytest.mark.parametrize("why", ["tensor_parallel", "pipeline_parallel", "kernel"])
-def test_unservable_layouts_disable_both_sides_at_construction(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str) -> None:
-    """Decided from the configuration each side is constructed with, so the scheduler side
-    never promises a load the worker side cannot do. Tensor parallelism is served when the
-    ranks divide the KV heads (test_vllm.py); 4 ranks for 2 heads would replicate them."""
+def _both_sides(tmp_path: Path, tensor: int = 1, pipeline: int = 1) -> list[Any]:
+    """The scheduler and the worker side of one configuration, constructed as vLLM does."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvgraft.integrations.vllm import KvgraftConnector, paged
+    from kvgraft.integrations.vllm import KvgraftConnector
 
     parallel = ParallelConfig()
-    if why == "kernel":
-        monkeypatch.setattr(paged, "attention_isa", lambda *a: "neon")
-    else:  # set after construction: vLLM's own checks would want the ranks' devices
-        setattr(parallel, f"{why}_size", 4 if why == "tensor_parallel" else 2)
+    # set after construction: vLLM's own checks would want the ranks' devices
+    parallel.tensor_parallel_size, parallel.pipeline_parallel_size = tensor, pipeline
     config = VllmConfig(
         model_config=ModelConfig(model=str(node_model(tmp_path / "m", 0)), skip_tokenizer_init=True,
                                  dtype="bfloat16", max_model_len=1024, enforce_eager=True),
@@ -245,14 +239,42 @@ def test_unservable_layouts_disable_both_sides_at_construction(
             kv_connector_module_path="kvgraft.integrations.vllm",
             kv_connector_extra_config={"repository": REPO, **_sqlite_world(tmp_path)}))
     config.parallel_config = parallel
-    sides = [KvgraftConnector(config, role)
-             for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
+    return [KvgraftConnector(config, role)
+            for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)]
+
+
+@pytest.mark.parametrize("why", ["tensor_parallel", "kernel"])
+def test_unservable_layouts_disable_both_sides_at_construction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """Decided from the configuration each side is constructed with, so the scheduler side
+    never promises a load the worker side cannot do. Tensor parallelism is served when the
+    ranks divide the KV heads (test_vllm.py); 4 ranks for 2 heads would replicate them."""
+    from kvgraft.integrations.vllm import paged
+
+    if why == "kernel":
+        monkeypatch.setattr(paged, "attention_isa", lambda *a: "neon")
+    sides = _both_sides(tmp_path, tensor=4 if why == "tensor_parallel" else 1)
     try:
         assert [s.enabled for s in sides] == [False, False]
         assert all(s.counters.snapshot().get("disabled") == 1 for s in sides)
         assert sides[0].get_num_new_matched_tokens(vllm_request("r", P), 0) == (0, False)
     finally:
         for s in sides:
+            s.shutdown()
+
+
+def test_pipeline_stages_are_served_under_an_identity_of_their_own(tmp_path: Path) -> None:
+    """Both sides serve pipeline stages (test_vllm.py runs them) and agree on the identity,
+    which holds the pipeline size: a graft of two stages is another layout's."""
+    staged, single = _both_sides(tmp_path / "pp2", pipeline=2), _both_sides(tmp_path / "pp1")
+    try:
+        assert [s.enabled for s in staged + single] == [True] * 4
+        idents = [s.ident for s in staged]
+        assert idents[0] == idents[1] and idents[0].engine["pipeline_parallel_size"] == 2
+        assert "pipeline_parallel_size" not in single[0].ident.engine
+        assert idents[0].identity != single[0].ident.identity
+    finally:
+        for s in staged + single:
             s.shutdown()
 
 
