@@ -1,7 +1,8 @@
 """The pipeline stages' exchange of a publish's layers (kvgraft.integrations.vllm.stages)
 over a real gloo group of two processes, without an engine: the last stage receives every
-layer in order; a stage with nothing for a request makes the last stage publish nothing
-for it, and the requests after it still line up."""
+layer in order; a stage with nothing for a request (a layer short, or no tokens) makes the
+last stage publish nothing for it, and neither that nor a publish that fails stops the
+requests after it from lining up."""
 
 from __future__ import annotations
 
@@ -32,13 +33,20 @@ def _stage(stage: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage,
                             world_size=2)
     got: list[Any] = []
+
+    def joined(token: str, layers: stages.Layers | None) -> None:
+        if token == "r4":
+            raise RuntimeError("the publish itself fails")  # the exchange goes on
+        got.append((token, layers))
+
     at = stages.Layout(stage, SPANS, leader=True)
-    exchange = stages.Exchange(at, stages.leaders_group([0, 1]), torch.bfloat16,
-                               lambda token, layers: got.append((token, layers)))
+    exchange = stages.Exchange(at, stages.leaders_group([0, 1]), torch.bfloat16, joined)
     mine = _layers(stage)
     exchange.submit("r1", mine)
     exchange.submit("r2", mine[:1] if stage == 0 else mine)  # stage 0 lacks a layer
-    exchange.submit("r3", mine)
+    exchange.submit("r3", [(k[:, :0], v[:, :0]) for k, v in mine])  # no tokens
+    exchange.submit("r4", mine)
+    exchange.submit("r5", mine)
     exchange.close()
     if at.last:
         Path(out).write_text(json.dumps([
@@ -64,7 +72,7 @@ def test_the_last_stage_joins_every_layer_in_order(tmp_path: Path) -> None:
     assert [p.exitcode for p in procs] == [0, 0]
     whole = [(float(i), float(-i), [2, 4, 8]) for i in range(3)]
     assert json.loads(out.read_text()) == [["r1", [list(x) for x in whole]], ["r2", None],
-                                           ["r3", [list(x) for x in whole]]]
+                                           ["r3", None], ["r5", [list(x) for x in whole]]]
 
 
 def test_a_worker_outside_its_stage_layers_is_refused() -> None:

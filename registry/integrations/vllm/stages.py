@@ -117,20 +117,24 @@ class Exchange:
         while (item := self._queue.get()) is not None:
             token, layers = item
             try:
-                if self._at.last:
-                    self._joined(token, self._receive(layers))
-                else:
+                if not self._at.last:
                     self._send(layers)
+                    continue
+                joined = self._receive(layers)
             except Exception as e:  # a peer gone: no later exchange can line up again
                 log.error("kvgraft: pipeline stages' exchange stopped, nothing more is "
                           "published: %s", e)
                 return
+            try:
+                self._joined(token, joined)
+            except Exception as e:  # this publish only: the exchange still lines up
+                log.warning("kvgraft: a publish joined from the pipeline stages failed: %s", e)
 
     def _send(self, layers: Layers) -> None:
         import torch.distributed as dist
 
         last = self._leaders[-1]
-        ok = len(layers) == self._at.count
+        ok = len(layers) == self._at.count and layers[0][0].shape[1] > 0  # else "nothing"
         head = torch.tensor(list(layers[0][0].shape) if ok else [0, 0, 0], dtype=torch.int64)
         dist.send(head, dst=last, group=self._group)
         if ok:
