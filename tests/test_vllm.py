@@ -576,19 +576,24 @@ def test_paged_copies_refuse_unknown_layouts() -> None:
 
 
 def test_memory_tier_keeps_the_most_recent_chunks_within_its_bound() -> None:
+    import numpy as np
+
     from kvgraft.integrations.vllm.hot import HotChunks
 
+    def rows(*sizes: int) -> tuple[np.ndarray[Any, Any], ...]:  # a chunk's blocks per layer
+        return tuple(np.zeros(n, np.uint8) for n in sizes)
+
     hot = HotChunks(10)
-    hot.put("a", bytearray(4))
-    hot.put("b", bytearray(4))
+    hot.put("a", rows(2, 2))
+    hot.put("b", rows(4))
     assert hot.get("a") is not None  # a is now the most recent
-    hot.put("c", bytearray(4))  # over the bound: b, the least recent, goes
+    hot.put("c", rows(1, 3))  # over the bound: b, the least recent, goes
     assert hot.get("b") is None and hot.get("a") is not None and hot.get("c") is not None
     assert hot.size == 8
-    hot.put("big", bytearray(11))  # larger than the whole tier: not kept, nothing evicted
+    hot.put("big", rows(6, 5))  # larger than the whole tier: not kept, nothing evicted
     assert hot.get("big") is None and hot.size == 8
     off = HotChunks(0)
-    off.put("a", bytearray(1))
+    off.put("a", rows(1))
     assert off.get("a") is None and (off.hits, off.misses) == (0, 1)
 
 

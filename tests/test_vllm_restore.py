@@ -14,7 +14,7 @@ import torch
 
 from kvgraft.client import Registry
 from kvgraft.digest import Digest
-from kvgraft.errors import IntegrityError
+from kvgraft.errors import IntegrityError, UsageError
 from kvgraft.formats.kvfile import write_kvfile
 from kvgraft.formats.manifest import BlobRef
 from kvgraft.integrations.vllm import paged, restore
@@ -69,12 +69,28 @@ def test_restore_writes_exactly_the_graft(graft: Graft, threads: int) -> None:
             gk, gv = paged.gather(view, blocks)
             assert np.array_equal(paged._ints(gk), k) and np.array_equal(paged._ints(gv), v)
     assert hot.hits == len(chunks)
-    # a restore starting mid-prompt (vLLM had the first blocks): only the rest is written
-    views = _restore(reg, chunks, threads, HotChunks(0), blocks, start=3 * BLOCK)
-    for view, (k, _) in zip(views, want, strict=True):
-        gk, _ = paged.gather(view, blocks[3:])
-        assert np.array_equal(paged._ints(gk), k[:, 3 * BLOCK:])
-        assert not paged.gather(view, blocks[:3])[0].any()
+    # a restore starting mid-prompt (vLLM had the first blocks): only the rest is written,
+    # whether the chunks come from the machine cache or, in other blocks, from memory
+    for tier, at in ((HotChunks(0), blocks), (hot, [4, 5, 6, 0, 1, 2, 3, 7])):
+        views = _restore(reg, chunks, threads, tier, at, start=3 * BLOCK)
+        for view, (k, v) in zip(views, want, strict=True):
+            gk, gv = paged.gather(view, at[3:])
+            assert np.array_equal(paged._ints(gk), k[:, 3 * BLOCK:])
+            assert np.array_equal(paged._ints(gv), v[:, 3 * BLOCK:])
+            assert not paged.gather(view, at[:3])[0].any()
+    assert hot.hits == 2 * len(chunks) - 1  # the chunk wholly before the start is not read
+
+
+def test_kept_blocks_that_do_not_cover_a_span_are_refused(graft: Graft) -> None:
+    reg, chunks, _ = graft
+    hot = HotChunks(1 << 30)
+    views = _restore(reg, chunks, 1, hot, list(range(8)))
+    kept = hot.get(chunks[0][2])
+    assert kept is not None and len(kept) == LAYERS and len(kept[0]) == CHUNK // BLOCK
+    with pytest.raises(UsageError, match="do not cover"):  # one block kept, two asked
+        paged.put_rows(views, [0, 1], tuple(r[1:] for r in kept))
+    with pytest.raises(UsageError, match="do not cover"):  # a layer short
+        paged.put_rows(views, [0, 1], kept[1:])
 
 
 def test_a_pipeline_stage_restores_its_own_layers(graft: Graft) -> None:

@@ -70,8 +70,11 @@ def _ints(t: torch.Tensor) -> np.ndarray[Any, Any]:
 class PagedLayer:
     """One layer's paged cache: `keys` and `values`, [blocks, kv_heads, *block_shape] views
     of its bytes, where a file's [kv_heads, n * block_size, head_dim] seen through `_split`
-    is [n, kv_heads, *block_shape] and pairs with n blocks element for element."""
+    is [n, kv_heads, *block_shape] and pairs with n blocks element for element; `rows`, the
+    same bytes as [blocks, kv_heads, 2 * block_size * head_dim], a block's bytes as vLLM's
+    kernels read them whatever the layout."""
 
+    rows: np.ndarray[Any, Any]
     keys: np.ndarray[Any, Any]
     values: np.ndarray[Any, Any]
     isa: str
@@ -111,6 +114,30 @@ class PagedLayer:
         for j, first, n in _runs(blocks):
             k[j : j + n] = self.keys[first : first + n]
             v[j : j + n] = self.values[first : first + n]
+
+
+Rows = tuple[np.ndarray[Any, Any], ...]  # some blocks' bytes, a contiguous array per layer
+
+
+def take_rows(layers: Sequence[PagedLayer], blocks: Sequence[int]) -> Rows:
+    """Copies of `blocks` of each layer, in the cache's own layout."""
+    index = np.asarray(blocks)
+    return tuple(layer.rows[index] for layer in layers)
+
+
+def put_rows(layers: Sequence[PagedLayer], blocks: Sequence[int], rows: Rows,
+             skip: int = 0) -> int:
+    """Copy `rows` (from `take_rows`), less their first `skip` blocks, into `blocks`: a
+    copy per run of consecutive blocks, no conversion; bytes written."""
+    if len(rows) != len(layers) or any(len(r) < skip + len(blocks) for r in rows):
+        raise UsageError(f"{len(rows)} layers of kept blocks do not cover {len(blocks)} "
+                         f"blocks from block {skip} of {len(layers)} paged layers")
+    written = 0
+    for layer, src in zip(layers, rows, strict=True):
+        for j, first, n in _runs(blocks):
+            layer.rows[first : first + n] = src[skip + j : skip + j + n]
+        written += src[0].nbytes * len(blocks)
+    return written
 
 
 def _runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -155,7 +182,7 @@ def block_view(layer: torch.Tensor, kv_heads: int, block_size: int, head_dim: in
     else:  # vec, vec16: keys transposed, [head_dim, block_size]; values as they are
         k = keys.reshape(nb, kv_heads, head_dim, block_size).swapaxes(2, 3)
         v = values.reshape(nb, kv_heads, block_size, head_dim)
-    return PagedLayer(k, v, isa, block_size, head_dim, dtype)
+    return PagedLayer(raw, k, v, isa, block_size, head_dim, dtype)
 
 
 def gather(layer: PagedLayer, blocks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,10 @@
-"""A restore's pipeline: read each chunk (from the worker's memory, else the machine cache
-or the store, verified), then copy its tokens into the blocks vLLM allocated, layer by
-layer. Chunks are independent and fill disjoint blocks, so threads take whole chunks:
-SHA-256 (hashlib), zstd and the NumPy copies release the GIL, and the threads' buffers
-bound the memory a restore holds beyond the memory tier (one chunk a thread).
+"""A restore's pipeline: each chunk kept in the worker's memory is copied into the blocks
+vLLM allocated as it lies (a copy per run of blocks and layer); any other is read from the
+machine cache or the store, verified, converted into the blocks layer by layer, and its
+blocks' bytes then kept in memory for the next restore. Chunks are independent and fill
+disjoint blocks, so threads take whole chunks: SHA-256 (hashlib), zstd and the NumPy copies
+release the GIL, and the threads' buffers bound the memory a restore holds beyond the
+memory tier (one chunk a thread).
 
 `python -m benchmarks.restore_scaling` measures it at 1, 2 and all threads beside SHA-256
 and memory copy throughput on the same machine.
@@ -51,21 +53,15 @@ def _unpin() -> None:
 
 @dataclass
 class Reader:
-    """Verified chunk bytes for the restore threads: from memory, else from the machine
-    cache (or the store), into memory when it has room, else into a free buffer."""
+    """Where the restore threads find chunks: restored before (`hot`), else verified from
+    the machine cache (or the store) into a free buffer."""
 
     fetcher: Fetcher
     hot: HotChunks
     free: queue.SimpleQueue[bytearray]  # as many buffers as threads: get never waits
 
     def read(self, digest: str, n: int, buf: bytearray) -> memoryview:
-        kept = self.hot.get(digest)
-        if kept is not None:
-            return memoryview(kept)
-        into = bytearray(n) if n <= self.hot.capacity else buf
-        data, _ = self.fetcher.get(BlobRef(Digest.parse(digest), n), memoryview(into)[:n])
-        if into is not buf:
-            self.hot.put(digest, into)
+        data, _ = self.fetcher.get(BlobRef(Digest.parse(digest), n), memoryview(buf)[:n])
         return memoryview(data)
 
 
@@ -105,18 +101,26 @@ def buffers(count: int, size: int, kept: list[bytearray]) -> queue.SimpleQueue[b
 
 def _load_chunk(reader: Reader, target: Target, chunk: Chunk) -> tuple[int, float]:
     c_start, c_end, digest, n = chunk
+    lo, hi = max(c_start, target.start), min(c_end, target.end)
+    bs = target.block_size
+    blocks = target.block_ids[lo // bs : hi // bs]
+    kept = reader.hot.get(digest)
+    if kept is not None:
+        return paged.put_rows(target.views, blocks, kept, (lo - c_start) // bs), 0.0
     buf = reader.free.get()
     try:
         tr = perf_counter()
         view = reader.read(digest, n, buf)
         tr = perf_counter() - tr
-        lo, hi = max(c_start, target.start), min(c_end, target.end)
-        bs = target.block_size
-        blocks = target.block_ids[lo // bs : hi // bs]
-        return write(view, target.views, blocks, lo - c_start, hi - c_start,
-                     target.itemsize, target.heads, target.first), tr
+        written = write(view, target.views, blocks, lo - c_start, hi - c_start,
+                        target.itemsize, target.heads, target.first)
     finally:
         reader.free.put(buf)
+    # Kept only whole: a later restore may need any part of the chunk (a chunk's span is
+    # whole blocks: the connector aligns chunks to the block size).
+    if (lo, hi) == (c_start, c_end) and reader.hot.fits(written):
+        reader.hot.put(digest, paged.take_rows(target.views, blocks))
+    return written, tr
 
 
 def write(view: memoryview, layers: Sequence[paged.PagedLayer], blocks: Sequence[int],
