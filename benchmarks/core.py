@@ -122,6 +122,36 @@ def _registry(home: Path, cache: Path) -> Any:
     return Registry(Config.from_env({"KVGRAFT_HOME": str(home), "KVGRAFT_CACHE": str(cache)}))
 
 
+WARM_ENV = "BENCH_WARM_BYTES"
+
+
+def warm_env(kv_size: int) -> dict[str, str]:
+    """The environment that has a measurement child warm `warm_memory` for a transfer of a
+    KV file of `kv_size` bytes: the file written out, the machine cache's copy and the
+    buffers, with room to spare."""
+    return {WARM_ENV: str(2 * kv_size + (512 << 20))}
+
+
+def warm_memory() -> None:
+    """Touch and free the bytes $BENCH_WARM_BYTES names, just before a timed region.
+
+    On a VM whose balloon reports free pages to the host (virtio-balloon free page
+    reporting, as on the 2-core machine kinds of docs/benchmarks.md), memory the guest freed
+    more than about 2 seconds ago has been handed back: touching it again costs a host fault
+    and the page's zeroing. A transfer writes its output into new page cache, so it paid
+    that per 4 KiB page: writing 1 GiB into a new file took 2.4 CPU s there against 0.2 s
+    into memory freed a moment before, and a pull's client CPU read 5.0-5.4 s/GB or 3.2-3.5
+    depending on which it met. Touched here and freed, those pages are the ones the
+    measurement's page cache and buffers are built from, so both sides are measured on
+    memory the guest holds, as on a machine without that balloon."""
+    nbytes = int(os.environ.get(WARM_ENV, "0"))
+    if nbytes:
+        block = b"\x01" * nbytes  # written, so every page is faulted in
+        del block  # unmapped at once: back to the free lists, not yet reported
+        # The measurement's peak RSS (VmHWM) starts again from here (Linux: "5" resets it).
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def client_cpu() -> float:
     """CPU seconds (user + system, every thread) this process has used so far."""
     t = os.times()

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.core import ratio_rows, sha256_file
+from benchmarks.core import ratio_rows, sha256_file, warm_env
 from benchmarks.s3 import BUCKET, PREFIX, Result, child, cpu_columns, rounds_of
 
 
@@ -84,7 +84,8 @@ def inside(workdir: Path, kv_file: Path, rate: str, rounds: int, signing: str,
         shape(int(server.endpoint.rsplit(":", 1)[1]), rate)
         server.create_bucket(BUCKET)
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("KVGRAFT_", "AWS_"))} | server.env
+               if not k.startswith(("KVGRAFT_", "AWS_"))} | server.env \
+            | warm_env(kv_file.stat().st_size)
         home = [scratch / f"home{r}" for r in range(rounds)]
 
         def our_push(r: int) -> Result:
