@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvgraft.errors import UsageError
+from kvgraft.formats.manifest import BlobRef
+from kvgraft.integrations.prefetch import prefetch
 from kvgraft.integrations.restorecost import (
     PrefillSpeed,
     RestoreCost,
     StoreSpeed,
     check_rate,
     check_restore_when,
+    fetch_rounds,
 )
+from kvgraft.transfer.pull import transfer_workers
+from kvgraft.transfer.push import PushOptions
+from tests.support.harness import RegistryFactory
+from tests.support.synthetic import write_synthetic
 
 KV_PER_TOKEN = 23_040  # SmolLM2-135M, bf16: 30 layers, K and V, 3 heads of 64
 CHUNK = 256
@@ -27,14 +36,44 @@ def chunks(tokens: int) -> list[int]:
 
 def measured(store_bytes_per_s: float, latency: float, prefill_tokens_per_s: float,
              when: str = "faster") -> RestoreCost:
-    """An estimator that measured a store and an engine at these speeds."""
-    cost = RestoreCost(when)
+    """An estimator that measured a store and an engine at these speeds (fetching one blob
+    at a time: every blob pays the latency)."""
+    cost = RestoreCost(when, fetch_threads=1)
     for _ in range(20):
         for size in (CHUNK * KV_PER_TOKEN, 16 * KV_PER_TOKEN):
             cost.store.observe(size, 1, latency + size / store_bytes_per_s)
         cost.prefill.observe(0, 0.01)  # a decode step: the overhead
         cost.prefill.observe(512, 0.01 + 512 / prefill_tokens_per_s)
     return cost
+
+
+def test_blobs_fetched_at_once_pay_the_latency_once_a_round() -> None:
+    assert [fetch_rounds(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    one, four = RestoreCost(fetch_threads=1), RestoreCost(fetch_threads=4)
+    for cost in (one, four):
+        for _ in range(20):
+            for size in (1_000, 1_000_000):
+                cost.store.observe(size, 1, 0.1 + size / 1e8)
+    sizes = [1_000_000] * 8
+    a, b = one.estimate(2048, sizes, 0).restore_s, four.estimate(2048, sizes, 0).restore_s
+    assert a is not None and b is not None
+    assert a - b == pytest.approx((8 - 2) * 0.1, rel=0.05)  # 8 rounds against 2
+
+
+def test_prefetch_fetches_together_and_measures_the_rounds(make_registry: RegistryFactory,
+                                                          tmp_path: Path) -> None:
+    kv = tmp_path / "g.kv"
+    write_synthetic(kv, num_layers=2, kv_heads=2, head_dim=64, tokens=1024, dtype="BF16",
+                    seed=5, name="g")
+    digest = make_registry().push(kv, "r/g:v1", options=PushOptions(chunk_tokens=128)).digest
+    other = make_registry(cache_dir=tmp_path / "other-cache")  # same store, empty cache
+    refs = [BlobRef(c.digest, c.size) for c in other.manifest(digest).chunks]
+    seen: list[tuple[int, int, float]] = []
+    fetched = prefetch(other, refs, lambda b, r, s: seen.append((b, r, s)))
+    assert fetched > 0 and all(other.cache.has(r.digest) for r in refs)
+    assert [(b, r) for b, r, _ in seen] == [
+        (sum(r.size for r in refs), fetch_rounds(len(refs), transfer_workers()))]
+    assert prefetch(other, refs, lambda *a: seen.append(a)) == 0 and len(seen) == 1
 
 
 def decide(cost: RestoreCost, tokens: int, cached: bool = False) -> bool:

@@ -4,9 +4,13 @@ A restore is worth doing only when it is faster than the prefill it replaces. It
 what the machine cache lacks, fetched from the store, plus verifying and copying every
 byte; the prefill's is the tokens it saves at the rate the engine computes prompts:
 
-    restore_s = missing_blobs * latency + missing_bytes / store_rate + bytes / LOCAL_RATE
+    restore_s = rounds * latency + missing_bytes / store_rate + bytes / LOCAL_RATE
                 + overhead
     prefill_s = tokens / prefill_rate
+
+where `rounds` is how many requests follow one another when the missing blobs are fetched
+`fetch_threads` at a time, as a restore fetches them (`fetch_rounds`): the store's latency
+is paid once a round, its bytes/s shared by the requests of a round.
 
 and the request restores when `restore_s <= RESTORE_MARGIN * prefill_s` (with
 `restore_when = "always"` it restores whatever the figures). The margin is there because
@@ -15,9 +19,10 @@ moment may take 30% more or less at the next): a restore chosen on a near tie co
 that much more than computing, while computing a prompt that would have restored a little
 faster loses only that little. The figures are measured in the process, from what it does:
 
-- `StoreSpeed`: each fetch from the store (bytes, requests, seconds) updates exponentially
-  weighted estimates of the store's per-request latency and its bytes/s. Until the first
-  fetch is measured the store's speed is unknown and a restore goes ahead: it measures it.
+- `StoreSpeed`: each fetch from the store (bytes, rounds of requests, seconds) updates
+  exponentially weighted estimates of the store's per-request latency and its bytes/s.
+  Until the first fetch is measured the store's speed is unknown and a restore goes ahead:
+  it measures it.
 - `PrefillSpeed`: each prompt the engine computes (tokens, seconds) updates an exponentially
   weighted estimate of seconds per prompt token (weighted by tokens); a step that computes
   no prompt (a decode step) measures the per-step overhead, taken off a prompt's time. Until
@@ -49,6 +54,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvgraft.errors import UsageError
+from kvgraft.transfer.pull import transfer_workers
 
 RESTORE_WHEN = ("faster", "always")
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0  # before the engine computed any prompt
@@ -59,6 +65,11 @@ PROBE_INTERVAL_S = 60.0
 PREFILL_MIN_TOKENS = 2  # fewer: the step's time is its overhead
 LOOKUP_SHARE = 0.1  # a lookup's time, at most, against the prefill it could save
 RESTORE_MARGIN = 0.8  # a restore's estimate, at most, against the prefill it saves
+
+
+def fetch_rounds(blobs: int, threads: int) -> int:
+    """Requests one after another when `blobs` are fetched `threads` at a time."""
+    return -(-blobs // max(1, threads))
 
 
 def check_restore_when(value: object) -> str:
@@ -220,8 +231,11 @@ class RestoreCost:
     def __init__(self, when: str = "faster",
                  prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
                  local_bytes_per_s: float = LOCAL_BYTES_PER_S,
-                 probe_interval: float = PROBE_INTERVAL_S) -> None:
+                 probe_interval: float = PROBE_INTERVAL_S,
+                 fetch_threads: int | None = None) -> None:
         self.when = check_restore_when(when)
+        # blobs a restore fetches at once (kvgraft.integrations.prefetch, a graft's load)
+        self.fetch_threads = fetch_threads or transfer_workers()
         self.store = StoreSpeed()
         self.prefill = PrefillSpeed(prefill_tokens_per_s)
         self.local_bytes_per_s = local_bytes_per_s
@@ -260,7 +274,7 @@ class RestoreCost:
         cache lacks and `cached_bytes` it holds."""
         sizes = list(missing)
         nbytes = sum(sizes)
-        fetch = self.store.seconds(nbytes, len(sizes))
+        fetch = self.store.seconds(nbytes, fetch_rounds(len(sizes), self.fetch_threads))
         local = (nbytes + cached_bytes) / self.local_bytes_per_s
         overhead = self.overhead_s or 0.0
         return Estimate(tokens, nbytes, len(sizes), cached_bytes,

@@ -60,6 +60,7 @@ from kvgraft.integrations.restorecost import (
     RestoreCost,
     check_rate,
     check_restore_when,
+    fetch_rounds,
 )
 from kvgraft.provenance import PolicyRefused
 from kvgraft.reference import Reference
@@ -223,7 +224,9 @@ class RegistryCache(BaseLlamaCache):
                            Reference(name or self.settings.repository, digest=found.digest),
                            build=lambda ids: min(found.length, len(ids)), prefix=head)
         if lacking:  # the whole load, verifying included: what the estimate stands for
-            self.cost.store.observe(missing_bytes, len(lacking), time.perf_counter() - t0)
+            self.cost.store.observe(missing_bytes,
+                                    fetch_rounds(len(lacking), self.cost.fetch_threads),
+                                    time.perf_counter() - t0)
         log.info("kvgraft: restoring %d prompt tokens from %s (%s)",
                  found.length - in_context, found.digest, estimate.describe())
         n = min(found.length, graft.token_count)
