@@ -246,7 +246,7 @@ class RestoreCost:
         self._lock = threading.Lock()
 
     def observe_lookup(self, seconds: float) -> None:
-        """A lookup (the match and what deciding its restore reads) took `seconds`."""
+        """A lookup (the catalog match every prompt looked up pays) took `seconds`."""
         if seconds >= 0:
             with self._lock:
                 self.lookup_s = _ewma(self.lookup_s, seconds, ALPHA)

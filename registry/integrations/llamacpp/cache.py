@@ -201,8 +201,11 @@ class RegistryCache(BaseLlamaCache):
         thread: it reads the registry, never the engine."""
         t0 = time.perf_counter()
         found = match(self.registry, self.lm.identity, key)
+        # What every prompt looked up pays. The graft's manifest, read next, comes from the
+        # store once per machine (then from the machine cache): counted in, one slow first
+        # read through a slow link stopped every later lookup (none measured it again).
+        self.cost.observe_lookup(time.perf_counter() - t0)
         if found is None or found.length <= in_context:
-            self.cost.observe_lookup(time.perf_counter() - t0)
             return None
         name = found.references[0].rsplit(":", 1)[0] if found.references else None
         manifest = self.registry.manifest(found.digest)
@@ -212,7 +215,6 @@ class RegistryCache(BaseLlamaCache):
         missing_bytes = sum(b.size for b in lacking)
         estimate = self.cost.estimate(min(found.length, len(key)) - in_context,
                                       [b.size for b in lacking], cached)
-        self.cost.observe_lookup(time.perf_counter() - t0)
         if not estimate.restores:
             if self.cost.probe_due():  # measure the store again, off the completion
                 self._bg.submit("probe", lambda: prefetch(self.registry, lacking,
