@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -157,6 +158,27 @@ def test_a_lookup_happens_only_when_it_costs_a_tenth_of_the_prefill() -> None:
     always = measured(125e6, 0.02, 1000, when="always")
     always.observe_lookup(1.0)
     assert always.lookup_pays(1)
+
+
+def test_a_slow_lookup_is_measured_again_once_per_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skipped lookups measure nothing: without a periodic one, a lookup measured slow
+    once (a busy catalog) would keep every later prompt from being looked up."""
+    clock = [1000.0]
+    monkeypatch.setattr("kvgraft.integrations.restorecost.time",
+                        SimpleNamespace(monotonic=lambda: clock[0]))
+    cost = measured(125e6, 0.02, 1000)
+    cost.probe_interval = 60.0
+    cost.observe_lookup(1.0)
+    assert not cost.lookup_pays(100)
+    clock[0] += 59.0
+    assert not cost.lookup_pays(100)
+    clock[0] += 1.0
+    assert cost.lookup_pays(100)  # the interval passed: one lookup goes through
+    assert not cost.lookup_pays(100)  # and only one, until it is measured or the next
+    for _ in range(30):
+        cost.observe_lookup(0.001)  # the catalog is fast again
+    assert cost.lookup_pays(100)
 
 
 def test_default_prefill_rate_until_measured() -> None:

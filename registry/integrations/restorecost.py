@@ -37,7 +37,9 @@ A lookup costs time too, paid whether or not it finds a restore that pays: a pro
 looked up only when the measured lookup time is at most `LOOKUP_SHARE` (a tenth) of the
 prefill it could save (`RestoreCost.lookup_pays`), so a prompt too short to gain from the
 registry computes at most that much later than without it; until a lookup is measured,
-every prompt is looked up.
+every prompt is looked up. Lookups skipped are not measured, so one slow lookup would shut
+the gate for good: at most once per `probe_interval` a prompt the gate would skip is looked
+up anyway, and measures the lookup again.
 
 A store that gets slower turns restores into computes; while restores are skipped nothing
 fetches, so at most once per `probe_interval` a skipped restore's chunks are fetched in the
@@ -243,6 +245,7 @@ class RestoreCost:
         self.lookup_s: float | None = None  # measured seconds a lookup takes (weighted)
         self.overhead_s: float | None = None  # measured seconds a restore costs besides
         self._probed = float("-inf")
+        self._looked_up = float("-inf")  # when a lookup was last measured or let through
         self._lock = threading.Lock()
 
     def observe_lookup(self, seconds: float) -> None:
@@ -250,6 +253,7 @@ class RestoreCost:
         if seconds >= 0:
             with self._lock:
                 self.lookup_s = _ewma(self.lookup_s, seconds, ALPHA)
+                self._looked_up = time.monotonic()
 
     def observe_restore(self, seconds: float, estimate: Estimate, computed_tokens: int = 0,
                         ) -> None:
@@ -266,8 +270,15 @@ class RestoreCost:
     def lookup_pays(self, tokens: int) -> bool:
         """Whether to look up a prompt whose lookup could save computing `tokens`."""
         lookup = self.lookup_s
-        return (self.when == "always" or lookup is None
-                or lookup <= LOOKUP_SHARE * self.prefill.seconds(tokens))
+        if (self.when == "always" or lookup is None
+                or lookup <= LOOKUP_SHARE * self.prefill.seconds(tokens)):
+            return True
+        now = time.monotonic()
+        with self._lock:
+            if now - self._looked_up < self.probe_interval:
+                return False
+            self._looked_up = now  # this one measures the lookup again
+            return True
 
     def estimate(self, tokens: int, missing: Iterable[int], cached_bytes: int) -> Estimate:
         """The restore of `tokens` prompt tokens from blobs of sizes `missing` the machine

@@ -51,7 +51,7 @@ def _unpin() -> None:
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Reader:
     """Where the restore threads find chunks: restored before (`hot`), else verified from
     the machine cache (or the store) into a free buffer."""
@@ -59,10 +59,6 @@ class Reader:
     fetcher: Fetcher
     hot: HotChunks
     free: queue.SimpleQueue[bytearray]  # as many buffers as threads: get never waits
-
-    def read(self, digest: str, n: int, buf: bytearray) -> memoryview:
-        data, _ = self.fetcher.get(BlobRef(Digest.parse(digest), n), memoryview(buf)[:n])
-        return memoryview(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +106,8 @@ def _load_chunk(reader: Reader, target: Target, chunk: Chunk) -> tuple[int, floa
     buf = reader.free.get()
     try:
         tr = perf_counter()
-        view = reader.read(digest, n, buf)
+        data, _ = reader.fetcher.get(BlobRef(Digest.parse(digest), n), memoryview(buf)[:n])
+        view = memoryview(data)
         tr = perf_counter() - tr
         written = write(view, target.views, blocks, lo - c_start, hi - c_start,
                         target.itemsize, target.heads, target.first)
