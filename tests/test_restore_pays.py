@@ -122,7 +122,8 @@ def test_llamacpp_restores_only_when_it_pays(tmp_path: Path, bucket: tuple[str, 
             store, prefill_rate = cache.cost.store, cache.cost.prefill.tokens_per_s
             figures.append(f"llama.cpp {label}: store measured {store.bytes_per_s or 0:.3g} "
                            f"B/s, {store.latency or 0:.4f} s a request; prefill "
-                           f"{prefill_rate:.0f} tokens/s; counters {cache.counters.snapshot()}")
+                           f"{prefill_rate:.0f} tokens/s; lookup {cache.cost.lookup_s or 0:.4f} "
+                           f"s; counters {cache.counters.snapshot()}")
             print("\n" + "\n".join(figures[-4:]), flush=True)
             if rate > 100e6:
                 assert decided["long-a"] == decided["long-b"] == "restored", figures

@@ -13,6 +13,8 @@ from kvgraft.errors import UsageError
 from kvgraft.formats.manifest import BlobRef
 from kvgraft.integrations.prefetch import prefetch
 from kvgraft.integrations.restorecost import (
+    LOOKUP_FIRST,
+    LOOKUP_WINDOW,
     PrefillSpeed,
     RestoreCost,
     StoreSpeed,
@@ -160,6 +162,24 @@ def test_a_lookup_happens_only_when_it_costs_a_tenth_of_the_prefill() -> None:
     assert always.lookup_pays(1)
 
 
+def test_what_a_few_lookups_pay_once_does_not_shut_the_gate() -> None:
+    """A lookup that makes the store's client or first fetches a candidate's manifest
+    through a slow link takes 0.2-0.4 s, where the lookups after it take 5-75 ms."""
+    cost = measured(125e6, 0.02, 1000)  # 1 ms a prompt token: 100 tokens carry 10 ms
+    cost.observe_lookup(0.37)
+    assert cost.lookup_pays(5)  # the first few are looked up whatever they cost
+    cost.observe_lookup(0.005)
+    assert cost.lookup_pays(5)
+    cost.observe_lookup(0.006)
+    assert cost.lookup_s == pytest.approx(0.006)
+    assert cost.lookup_pays(100) and not cost.lookup_pays(50)
+    cost.observe_lookup(0.4)  # fewer than half the lookups slow: the median stays
+    assert cost.lookup_s == pytest.approx(0.006) and cost.lookup_pays(100)
+    for _ in range(LOOKUP_WINDOW):
+        cost.observe_lookup(0.5)  # a catalog that stays slow shuts it
+    assert cost.lookup_s == pytest.approx(0.5) and not cost.lookup_pays(4000)
+
+
 def test_a_slow_lookup_is_measured_again_once_per_interval(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Skipped lookups measure nothing: without a periodic one, a lookup measured slow
@@ -169,7 +189,8 @@ def test_a_slow_lookup_is_measured_again_once_per_interval(
                         SimpleNamespace(monotonic=lambda: clock[0]))
     cost = measured(125e6, 0.02, 1000)
     cost.probe_interval = 60.0
-    cost.observe_lookup(1.0)
+    for _ in range(LOOKUP_FIRST):
+        cost.observe_lookup(1.0)
     assert not cost.lookup_pays(100)
     clock[0] += 59.0
     assert not cost.lookup_pays(100)

@@ -36,10 +36,16 @@ faster loses only that little. The figures are measured in the process, from wha
 A lookup costs time too, paid whether or not it finds a restore that pays: a prompt is
 looked up only when the measured lookup time is at most `LOOKUP_SHARE` (a tenth) of the
 prefill it could save (`RestoreCost.lookup_pays`), so a prompt too short to gain from the
-registry computes at most that much later than without it; until a lookup is measured,
-every prompt is looked up. Lookups skipped are not measured, so one slow lookup would shut
-the gate for good: at most once per `probe_interval` a prompt the gate would skip is looked
-up anyway, and measures the lookup again.
+registry computes at most that much later than without it. The time measured is the
+median of the last `LOOKUP_WINDOW` lookups (the lower one of an even count), and the first
+`LOOKUP_FIRST` prompts are looked up whatever they cost: every lookup pays the catalog's
+query and the machine cache's reads, and a few pay besides what is paid once (the store's
+client made, a candidate's manifest fetched the first time through a slow link: 0.22-0.37
+s measured behind a 50 ms link, against 5-75 ms for the lookups after it), which, weighted
+in, would shut the gate for prompts that gain from a restore. Lookups skipped are not
+measured, so a catalog measured slow would shut the gate for good: at most once per
+`probe_interval` a prompt the gate would skip is looked up anyway, and measures the lookup
+again.
 
 A store that gets slower turns restores into computes; while restores are skipped nothing
 fetches, so at most once per `probe_interval` a skipped restore's chunks are fetched in the
@@ -52,6 +58,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -67,6 +74,8 @@ PROBE_INTERVAL_S = 60.0
 PREFILL_MIN_TOKENS = 2  # fewer: the step's time is its overhead
 LOOKUP_SHARE = 0.1  # a lookup's time, at most, against the prefill it could save
 RESTORE_MARGIN = 0.8  # a restore's estimate, at most, against the prefill it saves
+LOOKUP_WINDOW = 8  # the lookups whose median time is the lookup's
+LOOKUP_FIRST = 3  # lookups made whatever they cost, before the gate has a median
 
 
 def fetch_rounds(blobs: int, threads: int) -> int:
@@ -93,6 +102,24 @@ def check_rate(name: str, value: object) -> float:
 
 def _ewma(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else old + alpha * (new - old)
+
+
+class _Turns:
+    """An act let through at most once per interval, and not within an interval of the
+    measurement it stands in for (the caller holds the lock)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = float("-inf")
+
+    def take(self, interval: float, measured_at: float | None) -> bool:
+        now = time.monotonic()
+        if now - self.last < interval or (measured_at is not None
+                                          and now - measured_at < interval):
+            return False
+        self.last = now
+        return True
 
 
 class StoreSpeed:
@@ -242,18 +269,21 @@ class RestoreCost:
         self.prefill = PrefillSpeed(prefill_tokens_per_s)
         self.local_bytes_per_s = local_bytes_per_s
         self.probe_interval = probe_interval
-        self.lookup_s: float | None = None  # measured seconds a lookup takes (weighted)
+        self.lookup_s: float | None = None  # measured seconds a lookup takes (the median)
+        self._lookups: deque[float] = deque(maxlen=LOOKUP_WINDOW)
         self.overhead_s: float | None = None  # measured seconds a restore costs besides
-        self._probed = float("-inf")
-        self._looked_up = float("-inf")  # when a lookup was last measured or let through
+        self._looked_up_at: float | None = None  # time.monotonic() of the last lookup
+        self._lookup_turns = _Turns()  # lookups let through the gate to measure it
+        self._probe_turns = _Turns()  # skipped restores fetched to measure the store
         self._lock = threading.Lock()
 
     def observe_lookup(self, seconds: float) -> None:
         """A lookup (the catalog match every prompt looked up pays) took `seconds`."""
         if seconds >= 0:
             with self._lock:
-                self.lookup_s = _ewma(self.lookup_s, seconds, ALPHA)
-                self._looked_up = time.monotonic()
+                self._lookups.append(seconds)
+                self.lookup_s = sorted(self._lookups)[(len(self._lookups) - 1) // 2]
+                self._looked_up_at = time.monotonic()
 
     def observe_restore(self, seconds: float, estimate: Estimate, computed_tokens: int = 0,
                         ) -> None:
@@ -270,15 +300,11 @@ class RestoreCost:
     def lookup_pays(self, tokens: int) -> bool:
         """Whether to look up a prompt whose lookup could save computing `tokens`."""
         lookup = self.lookup_s
-        if (self.when == "always" or lookup is None
+        if (self.when == "always" or lookup is None or len(self._lookups) < LOOKUP_FIRST
                 or lookup <= LOOKUP_SHARE * self.prefill.seconds(tokens)):
             return True
-        now = time.monotonic()
-        with self._lock:
-            if now - self._looked_up < self.probe_interval:
-                return False
-            self._looked_up = now  # this one measures the lookup again
-            return True
+        with self._lock:  # one now and then measures the lookup again
+            return self._lookup_turns.take(self.probe_interval, self._looked_up_at)
 
     def estimate(self, tokens: int, missing: Iterable[int], cached_bytes: int) -> Estimate:
         """The restore of `tokens` prompt tokens from blobs of sizes `missing` the machine
@@ -295,11 +321,5 @@ class RestoreCost:
     def probe_due(self) -> bool:
         """Whether a skipped restore's blobs should be fetched in the background now (at
         most once per `probe_interval`, and not while fetches keep being measured)."""
-        now = time.monotonic()
-        last = self.store.observed_at
         with self._lock:
-            if now - self._probed < self.probe_interval or (
-                    last is not None and now - last < self.probe_interval):
-                return False
-            self._probed = now
-            return True
+            return self._probe_turns.take(self.probe_interval, self.store.observed_at)

@@ -201,9 +201,8 @@ class RegistryCache(BaseLlamaCache):
         thread: it reads the registry, never the engine."""
         t0 = time.perf_counter()
         found = match(self.registry, self.lm.identity, key)
-        # What every prompt looked up pays. The graft's manifest, read next, comes from the
-        # store once per machine (then from the machine cache): counted in, one slow first
-        # read through a slow link stopped every later lookup (none measured it again).
+        # What every prompt looked up pays. The found graft's manifest, read next, comes from
+        # the store once per machine, then from the machine cache: a restore's cost.
         self.cost.observe_lookup(time.perf_counter() - t0)
         if found is None or found.length <= in_context:
             return None
