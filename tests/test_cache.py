@@ -83,7 +83,7 @@ def test_concurrent_pulls_in_processes_share_one_cache(make_registry: RegistryFa
         assert (tmp_path / f"o{i}.kv").read_bytes() == src.read_bytes()
     fetched = sum(json.loads(out)["fetched"] for out, _ in results)
     blobs = len(reg.manifest(reg.resolve("t/a")).blobs())
-    assert fetched == blobs  # the per-blob lock let each blob be fetched once
+    assert fetched == blobs  # the fetch locks let each blob be fetched once
     leftovers = [p for p in (tmp_path / "shared").rglob("*.tmp")]
     assert leftovers == []
 
@@ -112,6 +112,23 @@ def test_cache_ls_and_prune(cli_env: dict[str, str], tmp_path: Path) -> None:
     # The registry itself is untouched: a pull fetches again.
     r = runner.invoke(cli, ["pull", "t/a", "--json"])
     assert json.loads(r.stdout)["fetched"] == 4
+
+
+def test_fetch_locks_are_a_bounded_set_and_prune_clears_the_old_ones(
+        make_registry: RegistryFactory, tmp_path: Path) -> None:
+    reg = make_registry()
+    reg.push(write_synthetic(tmp_path / "a.kv", tokens=1500), "t/a")
+    locks = reg.cache.root / "locks"
+    locks.mkdir(parents=True)
+    old = locks / f"{'ab' * 32}.lock"  # one blob's lock file, as earlier versions left it
+    old.touch()
+    result = reg.pull("t/a", tmp_path / "o.kv")
+    fetched = {r.digest.hex[:3] for r in reg.manifest(result.digest).blobs()}
+    assert sorted(p.name for p in locks.iterdir()) == sorted(
+        [old.name, *(f"{h}.lock" for h in fetched)])
+    reg.cache.prune()  # everything is still needed: only the old lock goes
+    assert sorted(p.name for p in locks.iterdir()) == sorted(f"{h}.lock" for h in fetched)
+    assert (tmp_path / "o.kv").read_bytes() == (tmp_path / "a.kv").read_bytes()
 
 
 @pytest.mark.parametrize("form", ["subcommand", "global", "env"])

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import io
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -35,6 +36,12 @@ from kvgraft.reference import Reference
 MAX_MANIFEST = 64 * MiB  # a manifest of ~200 000 chunks; larger is damage, not data
 MAX_REF = 4096  # a digest and a newline
 REFS = "tags"  # the reference layout (see _ref_path)
+# Fetch locks are shared by the blobs whose digests start with the same three hex digits:
+# at most 4096 lock files, where one per blob left an empty file behind for every blob
+# ever fetched (and cost an inode's allocation per fetch). Two fetches that share a lock
+# only wait for each other, and with a few in flight they rarely do.
+LOCK_STRIPE_HEX = 3
+_OLD_LOCK = re.compile(r"[0-9a-f]{64}\.lock")  # one blob's lock file, as locks were
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +141,7 @@ class Cache:
     @contextlib.contextmanager
     def lock(self, digest: Digest) -> Iterator[None]:
         """Serialise fetches of one blob across local processes (an optimisation only)."""
-        path = self.root / "locks" / f"{digest.hex}.lock"
+        path = self.root / "locks" / f"{digest.hex[:LOCK_STRIPE_HEX]}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -262,7 +269,17 @@ class Cache:
         if not dry_run:
             self._sweep_temp(now)
             shutil.rmtree(self.root / "refs", ignore_errors=True)  # the old ref layout
+            self._remove_old_locks()
         return PruneReport(dropped, blobs, freed)
+
+    def _remove_old_locks(self) -> None:
+        """Lock files of single blobs, as earlier versions left them (one per blob fetched).
+        A process still holding one only loses its saving of a duplicate download."""
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.root / "locks") as it:
+            for entry in it:
+                if _OLD_LOCK.fullmatch(entry.name):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
 
     def _sweep_temp(self, now: float, grace: float = STALE_TEMP) -> None:
         sweep_temp(self.root, recursive=True, older_than=grace)
