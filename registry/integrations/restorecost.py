@@ -56,6 +56,7 @@ is then in the machine cache for the next request. One implementation for every 
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -282,7 +283,7 @@ class RestoreCost:
         if seconds >= 0:
             with self._lock:
                 self._lookups.append(seconds)
-                self.lookup_s = sorted(self._lookups)[(len(self._lookups) - 1) // 2]
+                self.lookup_s = statistics.median_low(self._lookups)
                 self._looked_up_at = time.monotonic()
 
     def observe_restore(self, seconds: float, estimate: Estimate, computed_tokens: int = 0,
