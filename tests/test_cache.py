@@ -131,6 +131,15 @@ def test_fetch_locks_are_a_bounded_set_and_prune_clears_the_old_ones(
     assert (tmp_path / "o.kv").read_bytes() == (tmp_path / "a.kv").read_bytes()
 
 
+def test_prune_goes_on_when_the_locks_cannot_be_read(make_registry: RegistryFactory,
+                                                     tmp_path: Path) -> None:
+    reg = make_registry()
+    reg.cache.root.mkdir(parents=True, exist_ok=True)
+    (reg.cache.root / "locks").write_text("not a directory")
+    assert reg.cache.prune().artifacts == 0
+    assert (reg.cache.root / "locks").read_text() == "not a directory"
+
+
 @pytest.mark.parametrize("form", ["subcommand", "global", "env"])
 def test_every_offline_form_serves_the_cache_alone(cli_env: dict[str, str], tmp_path: Path,
                                                     form: str) -> None:

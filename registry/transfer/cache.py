@@ -275,10 +275,11 @@ class Cache:
     def _remove_old_locks(self) -> None:
         """Lock files of single blobs, as earlier versions left them (one per blob fetched).
         A process still holding one only loses its saving of a duplicate download."""
-        with contextlib.suppress(FileNotFoundError), os.scandir(self.root / "locks") as it:
+        # Housekeeping only: what cannot be read or removed stays, and the prune goes on.
+        with contextlib.suppress(OSError), os.scandir(self.root / "locks") as it:
             for entry in it:
                 if _OLD_LOCK.fullmatch(entry.name):
-                    with contextlib.suppress(FileNotFoundError):
+                    with contextlib.suppress(OSError):
                         os.unlink(entry.path)
 
     def _sweep_temp(self, now: float, grace: float = STALE_TEMP) -> None:
