@@ -88,8 +88,9 @@ def test_mantissa_plane_is_stored_raw_and_exponent_plane_compressed() -> None:
 
 @pytest.mark.parametrize("width", [2, 4, 8])
 @pytest.mark.parametrize("rotated", [False, True])
-def test_planes_split_and_merge_inverse(width: int, rotated: bool) -> None:
-    raw = np.random.default_rng(width).integers(0, 256, 999 * width, dtype=np.uint8).tobytes()
+@pytest.mark.parametrize("count", [999, 2 * bytegroup.MERGE_BLOCK + 3])  # blocks, a partial last
+def test_planes_split_and_merge_inverse(width: int, rotated: bool, count: int) -> None:
+    raw = np.random.default_rng(width).integers(0, 256, count * width, dtype=np.uint8).tobytes()
     scratch = bytegroup._Scratch()
     planes = [p.copy() for p in bytegroup.split_planes(memoryview(raw), width, rotated, scratch)]
     values = np.frombuffer(raw, f"<u{width}")

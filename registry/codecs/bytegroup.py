@@ -354,13 +354,26 @@ def split_planes(seg: memoryview, width: int, rotated: bool, scratch: _Scratch) 
     return planes
 
 
+# Values merged per pass of merge_planes: its passes over one block of them (the output,
+# the planes and a temporary, ~1.5 MB for BF16) run in a core's L2 instead of streaming a
+# whole chunk's planes through memory once per pass (3.7 against 2.4 GB/s for BF16).
+MERGE_BLOCK = 1 << 17
+
+
 def merge_planes(planes: list[U8Array], width: int, rotated: bool, out: memoryview,
                  scratch: _Scratch) -> None:
     """Inverse of split_planes, written into `out` (exactly n * width bytes)."""
     n = out.nbytes // width
     values = np.frombuffer(out, _uint(width), n)
-    tmp = scratch.get(values.dtype, n, 1)
-    bits = width * 8
+    tmp = scratch.get(values.dtype, min(n, MERGE_BLOCK), 1)
+    for lo in range(0, n, MERGE_BLOCK):
+        hi = min(lo + MERGE_BLOCK, n)
+        _merge_block([p[lo:hi] for p in planes], rotated, values[lo:hi], tmp[: hi - lo])
+
+
+def _merge_block(planes: list[U8Array], rotated: bool, values: npt.NDArray[Any],
+                 tmp: npt.NDArray[Any]) -> None:
+    bits = values.dtype.itemsize * 8
     # Same-type ufuncs after one widening copy each: a mixed-type ufunc goes through numpy's
     # buffered cast loop, ~1.5x slower.
     np.copyto(values, planes[0], casting="unsafe")
@@ -368,7 +381,7 @@ def merge_planes(planes: list[U8Array], width: int, rotated: bool, out: memoryvi
         np.left_shift(values, bits - 1, out=tmp)  # bit 0 of byte 0 is the sign
         np.right_shift(values, 1, out=values)
         np.bitwise_or(values, tmp, out=values)
-    for j in range(1, width):
+    for j in range(1, len(planes)):
         np.copyto(tmp, planes[j], casting="unsafe")
         np.left_shift(tmp, 8 * j - int(rotated), out=tmp)
         np.bitwise_or(values, tmp, out=values)
