@@ -2,7 +2,8 @@
 afterwards), filled with synthetic grafts (benchmarks.catalog_fill).
 
 For each size, one row {"bench": "catalog scale", "chunk_rows", "artifacts",
-"lookup_ms": {"1": L, "16": L}, "open_loop_ms": {"100": L, "200": L}, "lookup_load",
+"lookup_ms": {"1": L, "16": L}, "floor_ms": {"1": L, "16": L},
+"open_loop_ms": {"100": L, "200": L}, "lookup_load",
 "publish_grafts_per_s", "ls_s", "ls_tags", "ls_glob_s", "gc_dry_run_s",
 "gc_planned_artifacts", "fill_s", "load"}, each L {"p50", "p99", "n", "per_s",
 "client_cpu_ms", "server_cpu_ms"}:
@@ -19,6 +20,10 @@ For each size, one row {"bench": "catalog scale", "chunk_rows", "artifacts",
           null for a server on another machine). The queries are prompts that extend a
           graft by a new turn, share only a system prompt, stop inside a graft, or share
           nothing (another model's tokens);
+  floor:  the same clients, closed loop, each sending `SELECT 1` instead of a lookup, over
+          the lookup's own path (pool checkout, driver, connection without a transaction):
+          the latency any catalog query would have on this machine, the floor under the
+          lookup's;
   publish: 4 threads each with its own connection committing new grafts through
           Catalog.record_push (the catalog half of a push; the blobs are not uploaded);
   ls:     Registry.list() of every tag, and of one team's repositories (`team3/*`);
@@ -74,6 +79,7 @@ from benchmarks.catalog_fill import (
 )
 from kvgraft.catalog import Catalog
 from kvgraft.catalog.engine import make_engine
+from kvgraft.catalog.lookup import prefix_lookup
 from kvgraft.identity.model import ModelIdentity
 from kvgraft.services.match import MAX_CANDIDATES
 from kvgraft.services.prefixindex import CatalogPrefixIndex
@@ -164,10 +170,11 @@ def in_threads(n: int, url: str, work: Callable[[Catalog, int], list[float]]) ->
     return list(itertools.chain.from_iterable(results))
 
 
-# What one lookup client is asked to do: its queries (used in turn), the monotonic clock
-# time to start at, and either a count of lookups back to back (closed loop) or the send
-# times, in seconds after the start, of lookups at a fixed arrival rate (open loop).
-Work = tuple[list[Query], float, int | list[float]]
+# What one lookup client is asked to do: what it sends ("lookup", or "floor": a `SELECT 1`
+# over the lookup's connection path instead), its queries (used in turn), the monotonic
+# clock time to start at, and either a count of lookups back to back (closed loop) or the
+# send times, in seconds after the start, of lookups at a fixed arrival rate (open loop).
+Work = tuple[str, list[Query], float, int | list[float]]
 # What it answers: each lookup's latency, when its last lookup ended, and the CPU seconds
 # its lookups took in this process and in its PostgreSQL backend (None where the server's
 # process cannot be read: not on this machine).
@@ -193,13 +200,23 @@ def lookup_client(conn: Connection, url: str) -> None:
     time, so time spent waiting behind the client's previous lookup counts."""
     catalog = Catalog(make_engine(url), url)
     index = CatalogPrefixIndex(catalog)
+
+    def lookup(q: Query) -> None:
+        list(index.candidates(*q, MAX_CANDIDATES))
+
+    def floor(q: Query) -> None:
+        # What any query costs through the same pool checkout, driver and connection path
+        with prefix_lookup(catalog) as c:
+            c.conn.execute(text("SELECT 1")).all()
+
     conn.send("ready")
     while True:
         work: Work | None = conn.recv()
         if work is None:
             break
-        qs, start, plan = work
-        list(index.candidates(*qs[-1], MAX_CANDIDATES))  # connect, warm the pool
+        what, qs, start, plan = work
+        ask = floor if what == "floor" else lookup
+        ask(qs[-1])  # connect, warm the pool
         with catalog.engine.connect() as c:  # the pool's one connection, reused by each lookup
             pid = c.execute(text("SELECT pg_backend_pid()")).scalar_one()
         if make_url(url).host not in (None, "", "localhost", "127.0.0.1", "::1"):
@@ -210,13 +227,13 @@ def lookup_client(conn: Connection, url: str) -> None:
         if isinstance(plan, int):
             for j in range(plan):
                 t0 = time.monotonic()
-                list(index.candidates(*qs[j % len(qs)], MAX_CANDIDATES))
+                ask(qs[j % len(qs)])
                 times.append(time.monotonic() - t0)
         else:
             for j, at in enumerate(plan):
                 due = start + at
                 time.sleep(max(0.0, due - time.monotonic()))
-                list(index.candidates(*qs[j % len(qs)], MAX_CANDIDATES))
+                ask(qs[j % len(qs)])
                 times.append(time.monotonic() - due)
         end, cpu = time.monotonic(), time.process_time() - cpu
         server_after = backend_cpu(pid)
@@ -251,7 +268,7 @@ class LookupClients:
             pipe.send(work)
         done: list[Done] = [pipe.recv() for pipe in self.pipes[:len(works)]]
         times = list(itertools.chain.from_iterable(d[0] for d in done))
-        wall = max(d[1] for d in done) - works[0][1]
+        wall = max(d[1] for d in done) - works[0][2]
         servers = [d[3] for d in done]
         server = None if None in servers else sum(s or 0.0 for s in servers)
         return {**percentiles(times), "per_s": round(len(times) / wall),
@@ -268,11 +285,11 @@ class LookupClients:
                 proc.terminate()
 
 
-def lookups(clients: LookupClients, qs: Sequence[Query], n: int,
-            per_client: int) -> dict[str, float | None]:
+def lookups(clients: LookupClients, qs: Sequence[Query], n: int, per_client: int,
+            what: str = "lookup") -> dict[str, float | None]:
     """Closed loop: `n` clients each sending `per_client` lookups back to back."""
     start = time.monotonic() + START_S
-    return clients.run([(list(qs[i::n]), start, per_client) for i in range(n)])
+    return clients.run([(what, list(qs[i::n]), start, per_client) for i in range(n)])
 
 
 def open_loop(clients: LookupClients, qs: Sequence[Query], rate: float,
@@ -287,7 +304,7 @@ def open_loop(clients: LookupClients, qs: Sequence[Query], rate: float,
         at = np.cumsum(rng.exponential(n / rate, size=int(rate / n * OPEN_S * 2) + 16))
         plans.append([float(t) for t in at[at < OPEN_S]])
     start = time.monotonic() + START_S
-    return {**clients.run([(list(qs[i::n]), start, plans[i]) for i in range(n)]),
+    return {**clients.run([("lookup", list(qs[i::n]), start, plans[i]) for i in range(n)]),
             "rate": rate}
 
 
@@ -412,6 +429,8 @@ def measure(url: str, clients: LookupClients, loaded: Sequence[Graft],
     row: dict[str, Any] = {
         "lookup_ms": {"1": lookups(clients, qs, 1, LOOKUPS_1),
                       str(CLIENTS): lookups(clients, qs, CLIENTS, LOOKUPS_16)},
+        "floor_ms": {"1": lookups(clients, qs, 1, LOOKUPS_1, "floor"),
+                     str(CLIENTS): lookups(clients, qs, CLIENTS, LOOKUPS_16, "floor")},
         "open_loop_ms": {str(r): open_loop(clients, qs, r, seed=r) for r in RATES},
         "lookup_load": round(os.getloadavg()[0], 2),
         "publish_grafts_per_s": publish(url, first)}

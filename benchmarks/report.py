@@ -111,6 +111,11 @@ def plot_lookup(rows: Sequence[Row], out: Path) -> Path:
             values = [r.get("open_loop_ms", {}).get(rate, {}).get("p99") for r in rows]
             if all(isinstance(v, int | float) for v in values):
                 ax.plot(sizes, values, ":", marker=marker, label=f"p99, 16 clients, {rate}/s")
+        # The same 16 clients back to back sending `SELECT 1`: the machine's floor.
+        values = [r.get("floor_ms", {}).get("16", {}).get("p99") for r in rows]
+        if all(isinstance(v, int | float) for v in values):
+            ax.plot(sizes, values, "-.", color="grey", marker="x",
+                    label="p99, 16 clients back to back, SELECT 1")
         ax.axhline(20, color="grey", linewidth=0.8, linestyle=":", label="20 ms target")
         ax.set(xscale="log", yscale="log", xlabel="chunk rows in the catalog",
                ylabel="prefix lookup (ms)",
