@@ -15,6 +15,7 @@ from kvgraft.integrations.prefetch import prefetch
 from kvgraft.integrations.restorecost import (
     LOOKUP_FIRST,
     LOOKUP_WINDOW,
+    RESTORE_FIRST,
     PrefillSpeed,
     RestoreCost,
     StoreSpeed,
@@ -278,11 +279,29 @@ def test_a_restore_must_be_clearly_faster() -> None:
     assert cost.estimate(1024, [], nbytes).restores
 
 
+def test_the_first_restores_measure_no_overhead() -> None:
+    """What the first restores of a process pay once (0.37-0.43 s on one machine, against
+    0-0.13 s after them) would keep short prompts computing for good: a prompt that
+    computes measures no overhead, so nothing would bring the estimate back down."""
+    cost = measured(125e6, 0.002, 1000)
+    nbytes = 512 * KV_PER_TOKEN
+    estimate = cost.estimate(512, [], nbytes)
+    assert estimate.restore_s is not None and estimate.restores
+    for _ in range(RESTORE_FIRST):
+        cost.observe_restore(estimate.restore_s + 0.5, estimate)  # 0.5 s beyond: paid once
+        assert cost.overhead_s is None and cost.estimate(512, [], nbytes).restores
+    cost.observe_restore(estimate.restore_s + 0.05, estimate)  # the next: measured
+    assert cost.overhead_s == pytest.approx(0.05)
+
+
 def test_each_restore_measures_its_overhead() -> None:
     cost = measured(125e6, 0.002, 1000)
     nbytes = 1024 * KV_PER_TOKEN
     estimate = cost.estimate(1024, [], nbytes)
     assert estimate.restore_s is not None and cost.overhead_s is None
+    for _ in range(RESTORE_FIRST):  # not measured
+        cost.observe_restore(estimate.restore_s, estimate)
+    assert cost.overhead_s is None
     # took its estimate, 44 computed tokens and 0.9 s besides: 0.9 s overhead
     tail = cost.prefill.seconds(44)
     cost.observe_restore(estimate.restore_s + tail + 0.9, estimate, 44)

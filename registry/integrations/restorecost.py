@@ -31,7 +31,12 @@ faster loses only that little. The figures are measured in the process, from wha
 - `overhead`: what a restore costs besides its bytes, as each restore measures it (its time
   from the decision until its KV is in place and the rest of the prompt computed, less the
   estimate of its bytes and of that rest): on vLLM the scheduler step the request waits for
-  and the step that copies its blocks. Weighted like the others; 0 until measured.
+  and the step that copies its blocks. Weighted like the others; 0 until measured. The first
+  `RESTORE_FIRST` restores of a process are not measured, as the first lookups are not gated:
+  they pay what is paid once (the worker's first copies into the paged cache, its threads
+  and buffers made, the engine's first steps of a new shape): 0.37-0.43 s on one 2-core
+  machine against 0-0.13 s for the restores after them, which, weighted in, kept short
+  prompts from restoring for good (a prompt that computes measures no overhead).
 
 A lookup costs time too, paid whether or not it finds a restore that pays: a prompt is
 looked up only when the measured lookup time is at most `LOOKUP_SHARE` (a tenth) of the
@@ -77,6 +82,7 @@ LOOKUP_SHARE = 0.1  # a lookup's time, at most, against the prefill it could sav
 RESTORE_MARGIN = 0.8  # a restore's estimate, at most, against the prefill it saves
 LOOKUP_WINDOW = 8  # the lookups whose median time is the lookup's
 LOOKUP_FIRST = 3  # lookups made whatever they cost, before the gate has a median
+RESTORE_FIRST = 3  # restores whose overhead is not measured (they pay what is paid once)
 
 
 def fetch_rounds(blobs: int, threads: int) -> int:
@@ -273,6 +279,7 @@ class RestoreCost:
         self.lookup_s: float | None = None  # measured seconds a lookup takes (the median)
         self._lookups: deque[float] = deque(maxlen=LOOKUP_WINDOW)
         self.overhead_s: float | None = None  # measured seconds a restore costs besides
+        self._restores = 0  # restores measured or passed over (the first RESTORE_FIRST)
         self._looked_up_at: float | None = None  # time.monotonic() of the last lookup
         self._lookup_turns = _Turns()  # lookups let through the gate to measure it
         self._probe_turns = _Turns()  # skipped restores fetched to measure the store
@@ -290,13 +297,16 @@ class RestoreCost:
                         ) -> None:
         """A restore decided on `estimate` took `seconds` until its KV was in place and the
         `computed_tokens` after it computed: what that leaves beyond the estimate of its
-        bytes and of those tokens is its overhead (never below 0)."""
+        bytes and of those tokens is its overhead (never below 0), once the process's
+        first `RESTORE_FIRST` restores are past."""
         if estimate.restore_s is None or not seconds >= 0:
             return
         beside = (estimate.restore_s - estimate.overhead_s
                   + self.prefill.seconds(computed_tokens))
         with self._lock:
-            self.overhead_s = _ewma(self.overhead_s, max(0.0, seconds - beside), ALPHA)
+            self._restores += 1
+            if self._restores > RESTORE_FIRST:
+                self.overhead_s = _ewma(self.overhead_s, max(0.0, seconds - beside), ALPHA)
 
     def lookup_pays(self, tokens: int) -> bool:
         """Whether to look up a prompt whose lookup could save computing `tokens`."""
