@@ -322,3 +322,38 @@ def test_each_restore_measures_its_overhead() -> None:
     fresh.observe_restore(1.0, fresh.estimate(16, [16 * KV_PER_TOKEN], 0))
     fresh.observe_restore(-1.0, fresh.estimate(16, [], 16 * KV_PER_TOKEN))
     assert fresh.overhead_s is None
+
+
+def test_an_overhead_that_stops_restores_is_measured_again_once_per_interval(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt that computes measures no overhead: without a restore now and then, one
+    overhead measured high (a restore that met a busy step) would keep every prompt its
+    overhead alone makes slower computing for good."""
+    clock = [1000.0]
+    monkeypatch.setattr("kvgraft.integrations.restorecost.time",
+                        SimpleNamespace(monotonic=lambda: clock[0]))
+    cost = measured(125e6, 0.002, 1000)
+    cost.probe_interval = 60.0
+    nbytes = 1024 * KV_PER_TOKEN
+    estimate = cost.estimate(1024, [], nbytes)
+    assert estimate.restore_s is not None
+    for _ in range(RESTORE_FIRST + 1):  # the last one measures 0.9 s of overhead
+        cost.observe_restore(estimate.restore_s + 0.9, estimate)
+    assert cost.overhead_s == pytest.approx(0.9)
+    clock[0] += 59.0
+    assert not cost.estimate(1024, [], nbytes).restores  # within the interval: computes
+    clock[0] += 1.0
+    probe = cost.estimate(1024, [], nbytes)
+    assert probe.restores and probe.probe and not probe.faster
+    assert "to measure the overhead again" in probe.describe()
+    assert not cost.estimate(1024, [], nbytes).restores  # one probe per interval
+    cost.observe_restore(estimate.restore_s, probe)  # it paid no overhead this time
+    assert cost.overhead_s == pytest.approx(0.9 * 0.7)
+    # a restore slower than computing even without its overhead is never a probe
+    clock[0] += 3600.0
+    slow = cost.estimate(1024, chunks(1024) * 40, 0)
+    assert not slow.faster and not slow.restores and not slow.probe
+    # nor is one while no overhead has been measured
+    fresh = measured(125e6, 0.002, 1000)
+    fresh.overhead_s = 0.9
+    assert not fresh.estimate(1024, [], nbytes).restores

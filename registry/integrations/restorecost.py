@@ -36,7 +36,11 @@ faster loses only that little. The figures are measured in the process, from wha
   they pay what is paid once (the worker's first copies into the paged cache, its threads
   and buffers made, the engine's first steps of a new shape): 0.37-0.43 s on one 2-core
   machine against 0-0.13 s for the restores after them, which, weighted in, kept short
-  prompts from restoring for good (a prompt that computes measures no overhead).
+  prompts from restoring for good (a prompt that computes measures no overhead). For the
+  same reason a measured overhead that alone makes restores slower than computing is
+  measured again: at most once per `probe_interval` (and not within one of the last restore
+  measured) such a restore goes ahead anyway (`Estimate.probe`), costing at most that
+  overhead once.
 
 A lookup costs time too, paid whether or not it finds a restore that pays: a prompt is
 looked up only when the measured lookup time is at most `LOOKUP_SHARE` (a tenth) of the
@@ -66,7 +70,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvgraft.errors import UsageError
 from kvgraft.transfer.pull import transfer_workers
@@ -247,17 +251,23 @@ class Estimate:
     prefill_s: float
     when: str
     overhead_s: float = 0.0  # measured besides the bytes, included in restore_s
+    probe: bool = False  # slower only by its overhead, restored to measure that again
+
+    @property
+    def faster(self) -> bool:
+        """Whether the figures alone make the restore clearly faster than computing."""
+        return self.restore_s is None or self.restore_s <= RESTORE_MARGIN * self.prefill_s
 
     @property
     def restores(self) -> bool:
-        return (self.when == "always" or self.restore_s is None
-                or self.restore_s <= RESTORE_MARGIN * self.prefill_s)
+        return self.when == "always" or self.probe or self.faster
 
     def describe(self) -> str:
         restore = "unknown" if self.restore_s is None else f"{self.restore_s:.4f} s"
         return (f"restore {restore} ({self.missing_bytes} bytes in {self.missing_blobs} "
                 f"blobs from the store, {self.cached_bytes} cached, {self.overhead_s:.4f} s "
-                f"overhead) vs prefill {self.prefill_s:.4f} s ({self.tokens} tokens)")
+                f"overhead) vs prefill {self.prefill_s:.4f} s ({self.tokens} tokens)"
+                + ("; restored to measure the overhead again" if self.probe else ""))
 
 
 class RestoreCost:
@@ -279,7 +289,9 @@ class RestoreCost:
         self.lookup_s: float | None = None  # measured seconds a lookup takes (the median)
         self._lookups: deque[float] = deque(maxlen=LOOKUP_WINDOW)
         self.overhead_s: float | None = None  # measured seconds a restore costs besides
-        self._restores = 0  # restores measured or passed over (the first RESTORE_FIRST)
+        self._restores = 0  # restores passed over, up to RESTORE_FIRST
+        self._restored_at: float | None = None  # time.monotonic() of the last measured one
+        self._overhead_turns = _Turns()  # restores let through to measure the overhead
         self._looked_up_at: float | None = None  # time.monotonic() of the last lookup
         self._lookup_turns = _Turns()  # lookups let through the gate to measure it
         self._probe_turns = _Turns()  # skipped restores fetched to measure the store
@@ -304,9 +316,11 @@ class RestoreCost:
         beside = (estimate.restore_s - estimate.overhead_s
                   + self.prefill.seconds(computed_tokens))
         with self._lock:
-            self._restores += 1
-            if self._restores > RESTORE_FIRST:
-                self.overhead_s = _ewma(self.overhead_s, max(0.0, seconds - beside), ALPHA)
+            if self._restores < RESTORE_FIRST:
+                self._restores += 1
+                return
+            self.overhead_s = _ewma(self.overhead_s, max(0.0, seconds - beside), ALPHA)
+            self._restored_at = time.monotonic()
 
     def lookup_pays(self, tokens: int) -> bool:
         """Whether to look up a prompt whose lookup could save computing `tokens`."""
@@ -319,15 +333,25 @@ class RestoreCost:
 
     def estimate(self, tokens: int, missing: Iterable[int], cached_bytes: int) -> Estimate:
         """The restore of `tokens` prompt tokens from blobs of sizes `missing` the machine
-        cache lacks and `cached_bytes` it holds."""
+        cache lacks and `cached_bytes` it holds; one the measured overhead alone makes
+        slower is a probe now and then (a turn taken: act on the estimate)."""
         sizes = list(missing)
         nbytes = sum(sizes)
         fetch = self.store.seconds(nbytes, fetch_rounds(len(sizes), self.fetch_threads))
         local = (nbytes + cached_bytes) / self.local_bytes_per_s
         overhead = self.overhead_s or 0.0
-        return Estimate(tokens, nbytes, len(sizes), cached_bytes,
-                        None if fetch is None else fetch + local + overhead,
-                        self.prefill.seconds(tokens), self.when, overhead)
+        estimate = Estimate(tokens, nbytes, len(sizes), cached_bytes,
+                            None if fetch is None else fetch + local + overhead,
+                            self.prefill.seconds(tokens), self.when, overhead)
+        if estimate.restores or estimate.restore_s is None or not overhead:
+            return estimate
+        without = replace(estimate, restore_s=estimate.restore_s - overhead, overhead_s=0.0)
+        if not without.faster:
+            return estimate
+        with self._lock:  # a prompt that computes measures no overhead: one now and then
+            due = (self._restored_at is not None
+                   and self._overhead_turns.take(self.probe_interval, self._restored_at))
+        return replace(estimate, probe=True) if due else estimate
 
     def probe_due(self) -> bool:
         """Whether a skipped restore's blobs should be fetched in the background now (at
